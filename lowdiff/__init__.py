@@ -1,0 +1,31 @@
+"""lowdiff: checkpoint every training iteration by logging the gradient the optimizer consumes.
+
+>>> import lowdiff                                                                       # doctest: +SKIP
+>>> opt = lowdiff.wrap(torch.optim.AdamW(model.parameters()), model, {"run_dir": "runs/a"})  # doctest: +SKIP
+>>> start = opt.resume()                                                                 # doctest: +SKIP
+>>> rec = lowdiff.recover("runs/a")                                                      # doctest: +SKIP
+"""
+
+from lowdiff.config import CompressorConfig, Config, LogConfig, SnapshotConfig
+from lowdiff.errors import (
+    CheckpointWriteError,
+    ConfigError,
+    CorruptFileError,
+    LowDiffError,
+    ModelMismatchError,
+    RunDirNotFoundError,
+    RunLockedError,
+    StepNotAvailableError,
+    UnsupportedError,
+)
+from lowdiff.optimizer import LowDiffOptimizer, wrap
+from lowdiff.recovery import Recovered, RecoveryReport, recover
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "wrap", "recover", "Config", "CompressorConfig", "SnapshotConfig", "LogConfig", "LowDiffOptimizer",
+    "Recovered", "RecoveryReport", "LowDiffError", "ConfigError", "CorruptFileError", "CheckpointWriteError",
+    "ModelMismatchError", "RunDirNotFoundError", "RunLockedError", "StepNotAvailableError", "UnsupportedError",
+    "__version__",
+]

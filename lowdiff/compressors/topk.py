@@ -1,0 +1,87 @@
+"""Top-k sparsification per tensor with error feedback.
+
+Selection is exact (the k largest |g|), but on large tensors it first keeps only candidates above a
+threshold estimated from a small sample, because ``torch.topk`` over tens of millions of elements dominates
+a CPU iteration. If the estimate keeps fewer than k candidates the full ``torch.topk`` runs instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowdiff.compressors.base import Compressor, Payload
+from lowdiff.errors import CorruptFileError
+
+# Below this many elements torch.topk is already cheap.
+_SAMPLED_MIN_NUMEL = 1 << 16
+_SAMPLE_SIZE = 1 << 14
+
+
+def k_for(numel: int, ratio: float) -> int:
+    return max(1, min(numel, math.ceil(ratio * numel)))
+
+
+def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Flat int64 indices of the k largest |flat|, sorted ascending."""
+    n = flat.numel()
+    mag = flat.abs()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
+        sample_idx = torch.randint(0, n, (_SAMPLE_SIZE,), device=flat.device, generator=generator)
+        sample = mag[sample_idx]
+        # Aim for ~2k candidates so one pass almost always has at least k.
+        q = max(0.0, 1.0 - min(1.0, 2.0 * k / n))
+        threshold = torch.quantile(sample.float(), q).to(mag.dtype)
+        candidates = torch.nonzero(mag >= threshold).flatten()
+        if candidates.numel() >= k:
+            top = torch.topk(mag[candidates], k, sorted=False).indices
+            return torch.sort(candidates[top]).values
+    return torch.sort(torch.topk(mag, k, sorted=False).indices).values
+
+
+class TopKCompressor(Compressor):
+    name = "topk"
+
+    def __init__(self, *, ratio: float, error_feedback: bool = True) -> None:
+        self.ratio = ratio
+        self.error_feedback = error_feedback
+        self._residual: dict[str, torch.Tensor] = {}
+        self._generator: dict[str, torch.Generator] = {}
+
+    def compress(self, fqn: str, grad: torch.Tensor) -> Payload:
+        flat = grad.reshape(-1)
+        residual = self._residual.get(fqn) if self.error_feedback else None
+        acc = flat + residual if residual is not None else flat.clone()
+        gen = self._generator.get(fqn)
+        if gen is None or gen.device != acc.device:
+            gen = torch.Generator(device=acc.device)
+            gen.manual_seed(0x10D1FF)
+            self._generator[fqn] = gen
+        idx = select_topk(acc, k_for(acc.numel(), self.ratio), gen)
+        values = acc[idx]
+        if self.error_feedback:
+            acc[idx] = 0  # acc becomes what this step dropped
+            self._residual[fqn] = acc
+        return {"values": values, "indices": idx.to(torch.int32)}
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {fqn: {"residual": r} for fqn, r in self._residual.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._residual = {fqn: s["residual"].clone().reshape(-1) for fqn, s in state.items() if "residual" in s}
+
+
+def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Dense gradient from Top-k values and flat indices (shared by training and recovery)."""
+    numel = math.prod(int(s) for s in shape)
+    if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+        raise CorruptFileError(f"top-k payload has {values.numel()} values but {indices.numel()} indices")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+        raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    # Indices are unique (one selection per tensor, or coalesced across ranks), so the scatter is exact.
+    out[indices.long()] = values
+    return out.reshape(shape)

@@ -1,0 +1,188 @@
+"""Configuration: frozen dataclasses, validated on construction, loadable from a dict or a YAML file.
+
+Every mistake names the key, what it got and what is allowed::
+
+    >>> Config.from_dict({"run_dir": "runs/a", "compressor": {"name": "topk", "ratio": 0.01}}).compressor.ratio
+    0.01
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lowdiff.errors import ConfigError
+
+COMPRESSORS = ("topk", "powersgd", "none")
+CODECS = ("none", "lz4", "zstd")
+ON_WRITE_ERROR = ("raise", "warn")
+
+
+def _check_type(key: str, value: Any, kind: type | tuple[type, ...], allowed: str) -> None:
+    # bool is an int subclass; a YAML `true` must not pass for a count, nor 1 for a flag.
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
+    if not ok:
+        raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_min_int(key: str, value: Any, minimum: int) -> None:
+    _check_type(key, value, int, f"an integer >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressorConfig:
+    """How the gradient is compressed before the optimizer consumes (and lowdiff logs) it."""
+
+    name: str = "none"
+    """topk (keep the largest |g| per tensor), powersgd (rank-r factors) or none (full gradient, LowDiff+)."""
+    ratio: float = 0.01
+    """topk: fraction of each tensor's elements kept, in (0, 1]."""
+    rank: int = 4
+    """powersgd: rank of the P, Q factors, >= 1."""
+    error_feedback: bool = True
+    """Add what compression dropped last step to this step's gradient (residual memory)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compressor.name", self.name, COMPRESSORS)
+        _check_type("compressor.ratio", self.ratio, (int, float), "a number in (0, 1]")
+        if not 0 < self.ratio <= 1:
+            raise ConfigError(f"config key 'compressor.ratio' must be in (0, 1], got {self.ratio}")
+        _check_min_int("compressor.rank", self.rank, 1)
+        _check_type("compressor.error_feedback", self.error_feedback, bool, "true or false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """Full snapshots: the base that the log is replayed from."""
+
+    every_steps: int = 100
+    """Take a full snapshot every this many optimizer steps (step 0 is always snapshotted)."""
+    keep: int = 0
+    """Keep only the newest N snapshots and the log they need (0 keeps everything)."""
+
+    def __post_init__(self) -> None:
+        _check_min_int("snapshot.every_steps", self.every_steps, 1)
+        _check_min_int("snapshot.keep", self.keep, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """The differential log: one committed segment file per `batch_steps` steps."""
+
+    batch_steps: int = 16
+    """Steps per segment file; a crash loses at most this many unflushed steps."""
+    codec: str = "lz4"
+    """Lossless compression of payload bytes: none, lz4 or zstd."""
+    queue_depth: int = 4
+    """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
+
+    def __post_init__(self) -> None:
+        _check_min_int("log.batch_steps", self.batch_steps, 1)
+        _check_choice("log.codec", self.codec, CODECS)
+        _check_min_int("log.queue_depth", self.queue_depth, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Everything lowdiff needs to know. Build with :meth:`from_dict` or :meth:`from_yaml`."""
+
+    run_dir: str
+    """Directory holding the manifest, snapshots and log of one training run."""
+    enabled: bool = True
+    """false: compress and decode exactly as usual but write nothing (the overhead baseline)."""
+    on_write_error: str = "raise"
+    """raise: a failed background write is raised at the next step; warn: log it and train on unprotected."""
+    compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _check_type("run_dir", self.run_dir, (str, os.PathLike), "a path string")
+        if not str(self.run_dir):
+            raise ConfigError("config key 'run_dir' must be a non-empty path")
+        _check_type("enabled", self.enabled, bool, "true or false")
+        _check_choice("on_write_error", self.on_write_error, ON_WRITE_ERROR)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """Build a Config from nested mappings, e.g. parsed YAML. Unknown keys are errors."""
+        return _build(cls, data, prefix="")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Config:
+        """Load a YAML file; the error names the file on a syntax error."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"YAML syntax error in {path}: {e}") from e
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["run_dir"] = str(self.run_dir)
+        return out
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            where = f"'{prefix}{key}'" if prefix else f"'{key}'"
+            raise ConfigError(f"unknown config key {where}; allowed keys here: {', '.join(sorted(fields))}")
+        ftype = fields[key].type
+        sub = _NESTED.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        kwargs[key] = _build(sub, value, f"{prefix}{key}.") if sub is not None else value
+    missing = [
+        n for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing required config key '{prefix}{missing[0]}'")
+    return cls(**kwargs)
+
+
+_NESTED: dict[str, type] = {
+    "CompressorConfig": CompressorConfig,
+    "SnapshotConfig": SnapshotConfig,
+    "LogConfig": LogConfig,
+}
+
+
+def load_config(config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> Config:
+    """Accept a Config, a dict or a YAML path (what :func:`lowdiff.wrap` takes)."""
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, Mapping):
+        return Config.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return Config.from_yaml(config)
+    raise ConfigError(f"config must be a lowdiff.Config, a dict or a YAML path, got {type(config).__name__}")

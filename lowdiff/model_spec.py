@@ -1,0 +1,94 @@
+"""Describe a live model + optimizer by names: what the manifest records and replay relies on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowdiff.config import Config
+from lowdiff.errors import ModelMismatchError, UnsupportedError
+from lowdiff.storage.format import dtype_name, encode_value
+from lowdiff.storage.manifest import Manifest, TensorSpec
+
+
+@dataclass
+class BufferSlot:
+    """Where a persistent buffer lives, so a reassigned buffer (``module.x = new``) is still found."""
+
+    name: str
+    module: torch.nn.Module
+    attr: str
+
+    def get(self) -> torch.Tensor:
+        return self.module._buffers[self.attr]  # type: ignore[return-value]
+
+
+@dataclass
+class ModelSpec:
+    manifest: Manifest
+    params: dict[str, torch.nn.Parameter]
+    """Every canonical model parameter by name."""
+    optimized: list[tuple[str, torch.nn.Parameter]]
+    """Optimizer parameters in state_dict index order."""
+    buffers: list[BufferSlot]
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose names the run records (DDP's ``module.`` prefix dropped)."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(inner, torch.nn.Module):
+        return inner
+    return model
+
+
+def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config) -> ModelSpec:
+    sd = model.state_dict(keep_vars=True)
+    canonical: dict[int, str] = {}
+    keys: list[tuple[str, str]] = []
+    param_specs, buffer_specs = [], []
+    params: dict[str, torch.nn.Parameter] = {}
+    for key, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedError(f"model state_dict entry {key!r} is a {type(t).__name__}; lowdiff checkpoints "
+                                   "tensors only")
+        if t.is_sparse or not t.is_contiguous() and not isinstance(t, torch.nn.Parameter):
+            raise UnsupportedError(f"model state_dict entry {key!r} is sparse or non-contiguous")
+        if id(t) not in canonical:
+            canonical[id(t)] = key
+            spec = TensorSpec(name=key, shape=tuple(t.shape), dtype=dtype_name(t.dtype),
+                              requires_grad=bool(t.requires_grad))
+            if isinstance(t, torch.nn.Parameter):
+                param_specs.append(spec)
+                params[key] = t
+            else:
+                buffer_specs.append(spec)
+        keys.append((key, canonical[id(t)]))
+    groups: list[list[str]] = []
+    optimized: list[tuple[str, torch.nn.Parameter]] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for pi, p in enumerate(group["params"]):
+            name = canonical.get(id(p))
+            if name is None or name not in params:
+                raise ModelMismatchError(f"optimizer group {gi} parameter {pi} (shape {tuple(p.shape)}) is not a "
+                                         "parameter of the model passed to lowdiff.wrap")
+            names.append(name)
+            optimized.append((name, p))
+        groups.append(names)
+    try:
+        defaults = encode_value(dict(optimizer.defaults))
+    except TypeError as e:
+        raise UnsupportedError(f"optimizer defaults cannot be recorded: {e}") from e
+    cls = type(optimizer)
+    manifest = Manifest(params=param_specs, buffers=buffer_specs, state_dict_keys=keys,
+                        optimizer_class=f"{cls.__module__}.{cls.__qualname__}", optimizer_defaults=defaults,
+                        param_groups=groups, config=config.to_dict())
+    buffer_names = {b.name for b in buffer_specs}
+    slots = []
+    for mod_name, module in model.named_modules():
+        for attr, buf in module._buffers.items():
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if buf is not None and full in buffer_names:
+                slots.append(BufferSlot(full, module, attr))
+    return ModelSpec(manifest=manifest, params=params, optimized=optimized, buffers=slots)

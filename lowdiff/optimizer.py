@@ -1,0 +1,278 @@
+"""The optimizer wrapper: compress -> decode -> inner step -> hand the step's record to the checkpointer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.compressors import decode_payload, make_compressor
+from lowdiff.config import Config, load_config
+from lowdiff.errors import LowDiffError, UnsupportedError
+from lowdiff.model_spec import describe, unwrap_model
+from lowdiff.recovery import recover
+from lowdiff.storage.atomic import fsync_dir
+from lowdiff.storage.format import (
+    LOG_DIR,
+    MANIFEST,
+    SNAPSHOT_DIR,
+    encode_value,
+    list_segments,
+    list_snapshots,
+)
+from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
+from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+class LowDiffOptimizer:
+    """Drop-in for the wrapped optimizer: ``step``, ``zero_grad``, ``param_groups`` and ``state`` behave as the
+    inner optimizer's; every ``step`` is also logged. Build it with :func:`lowdiff.wrap`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: Config) -> None:
+        if isinstance(optimizer, LowDiffOptimizer):
+            raise LowDiffError("this optimizer is already wrapped by lowdiff")
+        self.inner = optimizer
+        self.model = unwrap_model(model)
+        self.config = config
+        self._spec = describe(self.model, optimizer, config)
+        cc = config.compressor
+        self.compressor = make_compressor(cc.name, ratio=cc.ratio, rank=cc.rank, error_feedback=cc.error_feedback)
+        self._step = 0
+        self._closed = False
+        self._buffer_last: dict[str, torch.Tensor] = {}
+        self._needs_resume = False
+        self._checkpointer: Checkpointer | None = None
+        if config.enabled:
+            self._checkpointer = Checkpointer(config, cc.name)
+            self._open_run_dir()
+
+    # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise UnsupportedError("load optimizer state before lowdiff.wrap(), or restore a lowdiff run with "
+                               "opt.resume(); changing it under the log would make replay wrong")
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        raise UnsupportedError("add parameter groups before lowdiff.wrap(): the run directory records the groups")
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken: the state now is step ``step_count``."""
+        return self._step
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def _open_run_dir(self) -> None:
+        assert self._checkpointer is not None
+        ckpt = self._checkpointer
+        ckpt.open()
+        run_dir = ckpt.run_dir
+        if (run_dir / MANIFEST).exists():
+            check_compatible(read_manifest(run_dir), self._spec.manifest, run_dir)
+            self._needs_resume = True
+            return
+        # A new run: the step-0 snapshot first, the manifest last (its presence commits the run).
+        self._remember_buffers()
+        write_snapshot(run_dir, self._capture(0), self.config.log.codec)
+        write_manifest(run_dir, self._spec.manifest)
+        ckpt.start(durable_step=0)
+
+    def resume(self) -> int:
+        """Restore model, optimizer and compressor to the run's latest durable step and return it (0 when the
+        run directory is new). Call once, before the first ``step``."""
+        if not self._needs_resume:
+            return self._step
+        assert self._checkpointer is not None
+        run_dir = self._checkpointer.run_dir
+        device = next(iter(self._spec.params.values())).device.type if self._spec.params else "cpu"
+        rec = recover(run_dir, device=device)
+        self.model.load_state_dict(rec.model)
+        self.inner.load_state_dict(rec.optimizer)
+        if rec.compressor_state_exact:
+            self.compressor.load_state_dict(_to_device(rec.compressor_state, device))
+        else:
+            # Residuals cannot be rebuilt from the log: they restart at zero. PowerSGD's warm-start Q is in
+            # the log, so it continues exactly. (docs/FORMAT.md, "Resuming between snapshots")
+            self.compressor.load_state_dict(_to_device(rec.compressor_state, device))
+            log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero",
+                     rec.step)
+        for s in rec.report.skipped:
+            log.warning("lowdiff: resume skipped %s", s)
+        _quarantine_beyond(run_dir, rec.step)
+        self._step = rec.step
+        self._remember_buffers()
+        self._needs_resume = False
+        self._checkpointer.start(durable_step=rec.step)
+        log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
+        return rec.step
+
+    def flush(self) -> int:
+        """Commit every logged step; returns the newest durable step."""
+        return self._checkpointer.flush() if self._checkpointer else self._step
+
+    @property
+    def durable_step(self) -> int:
+        """The newest step guaranteed to be on disk."""
+        return self._checkpointer.durable_step if self._checkpointer else 0
+
+    def close(self) -> None:
+        """Flush and release the run directory; everything logged is durable when it returns."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    def __enter__(self) -> LowDiffOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the step ------------------------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Compress (if configured) -> decode into ``.grad`` -> inner step -> log the step."""
+        if closure is not None:
+            raise UnsupportedError("closure-based optimizers (e.g. LBFGS) re-evaluate the loss inside step and "
+                                   "cannot be replayed from a gradient log")
+        if self._closed:
+            raise LowDiffError("step() after close(): wrap the optimizer again to continue")
+        if self._needs_resume:
+            raise LowDiffError(f"{self.config.run_dir} already holds a run; call opt.resume() before training, "
+                               "or use a new run_dir")
+        if self._checkpointer is not None:
+            self._checkpointer.check()
+        copy_payload = self.compressor.name == "none"
+        grads: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, p in self._spec.optimized:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise UnsupportedError(f"parameter {name!r} has a sparse gradient; lowdiff logs dense ones")
+                payload = self.compressor.compress(name, g)
+                decoded = decode_payload(payload, p.shape)
+                if decoded is not g:
+                    p.grad = decoded
+                grads[name] = payload
+        groups = [_encode_group(g) for g in self.inner.param_groups]
+        out = self.inner.step()
+        step = self._step + 1
+        self._step = step
+        if self._checkpointer is not None:
+            record = StepRecord(
+                step=step, groups=groups,
+                grads={n: {f: _cpu_copy(t) if copy_payload else t.detach().cpu() for f, t in pl.items()}
+                       for n, pl in grads.items()},
+                buffers=self._changed_buffers(),
+            )
+            self._checkpointer.on_step(record, lambda: self._capture(step))
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _remember_buffers(self) -> None:
+        self._buffer_last = {s.name: s.get().detach().clone() for s in self._spec.buffers}
+
+    def _changed_buffers(self) -> dict[str, torch.Tensor]:
+        # Compared by value: kernels such as batch_norm update running stats in place without bumping the
+        # tensor's version counter, so _version would miss them.
+        changed = {}
+        for slot in self._spec.buffers:
+            t = slot.get()
+            last = self._buffer_last.get(slot.name)
+            if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
+                self._buffer_last[slot.name] = t.detach().clone()
+                changed[slot.name] = _cpu_copy(t)
+        return changed
+
+    def _capture(self, step: int) -> SnapshotState:
+        """Copy the full state off the live tensors (the snapshot phase); persisting happens in background."""
+        sd = self.inner.state_dict()
+        order = [n for n, _ in self._spec.optimized]
+        opt_state = {order[i]: {k: _cpu_copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                     for i, st in sd["state"].items()}
+        groups = []
+        for names, g in zip(self._spec.manifest.param_groups, self.inner.param_groups):
+            groups.append(_encode_group(g) | {"params": names})
+        return SnapshotState(
+            step=step,
+            params={n: _cpu_copy(p) for n, p in self._spec.params.items()},
+            buffers={s.name: _cpu_copy(s.get()) for s in self._spec.buffers},
+            optimizer_state=opt_state,
+            param_groups=groups,
+            compressor_name=self.compressor.name,
+            compressor_state={n: {k: _cpu_copy(v) for k, v in st.items()}
+                              for n, st in self.compressor.state_dict().items()},
+        )
+
+
+def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        return {k: encode_value(v) for k, v in group.items() if k != "params"}
+    except TypeError as e:
+        raise UnsupportedError(f"an optimizer group hyperparameter cannot be logged: {e}") from e
+
+
+def _to_device(state: dict[str, dict[str, torch.Tensor]], device: str) -> dict[str, dict[str, torch.Tensor]]:
+    return {n: {k: v.to(device) for k, v in st.items()} for n, st in state.items()}
+
+
+def _quarantine_beyond(run_dir: Path, step: int) -> None:
+    """Move files holding steps after ``step`` (damaged or unreachable) aside, so new segments never collide
+    with them. Nothing is deleted."""
+    moved = [p for s, p in list_snapshots(run_dir).items() if s > step]
+    moved += [p for first, last, p in list_segments(run_dir) if last > step]
+    if not moved:
+        return
+    qdir = run_dir / "quarantine"
+    qdir.mkdir(exist_ok=True)
+    for p in moved:
+        target = qdir / f"{p.parent.name}-{p.name}"
+        shutil.move(str(p), target)
+        log.warning("lowdiff: moved %s to %s (beyond the resumed step %d)", p, target, step)
+    for d in (qdir, run_dir / SNAPSHOT_DIR, run_dir / LOG_DIR):
+        fsync_dir(d)
+
+
+def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+         config: Config | Mapping[str, Any] | str | os.PathLike[str]) -> LowDiffOptimizer:
+    """Wrap ``optimizer`` so every step is logged as a differential checkpoint.
+
+    >>> opt = lowdiff.wrap(torch.optim.AdamW(model.parameters()), model, "lowdiff.yaml")  # doctest: +SKIP
+    >>> start = opt.resume()                                                              # doctest: +SKIP
+    """
+    return LowDiffOptimizer(optimizer, model, load_config(config))

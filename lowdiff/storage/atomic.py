@@ -1,0 +1,87 @@
+"""Atomic commits: write ``NAME.tmp``, fsync it, rename it to ``NAME``, fsync the directory.
+
+A reader therefore sees either the whole committed file or nothing; a crash leaves at most a stale
+``*.tmp`` that readers ignore and the next writer removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lowdiff.storage.format import TMP_SUFFIX
+
+# Test seam for fault injection (ENOSPC, EIO, slow disks): every byte lowdiff commits goes through here.
+_pwrite: Callable[[int, Any, int], int] = os.pwrite
+
+
+def tmp_path(path: Path) -> Path:
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pwrite_all(fd: int, chunks: list[Any], offset: int) -> None:
+    """Write every chunk at ``offset`` onwards, retrying short writes (os.pwrite releases the GIL)."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            n = _pwrite(fd, view, offset)
+            if n <= 0:
+                raise OSError(f"short write at offset {offset}")
+            offset += n
+            view = view[n:]
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, rename it over ``final`` and fsync the directory."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def remove_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = tmp_path(path)
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(fd, [data], 0)
+        finally:
+            os.close(fd)
+        commit(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def clean_stale_tmp(run_dir: Path) -> list[Path]:
+    """Remove ``*.tmp`` left by a crashed writer (call only while holding the writer lock)."""
+    removed = []
+    for d in (run_dir, run_dir / "snapshots", run_dir / "log"):
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.endswith(TMP_SUFFIX) and p.is_file():
+                    remove_quietly(p)
+                    removed.append(p)
+    return removed

@@ -1,0 +1,188 @@
+"""The HDF5 container every snapshot and log segment uses.
+
+One file holds two datasets: ``index`` (UTF-8 JSON: file metadata plus one descriptor per entry) and
+``data`` (uint8: the entries' encoded bytes back to back). Each entry descriptor carries its codec, byte
+range, raw size and CRC-32, plus dtype/shape fields owned by the caller. Packing entries into one dataset
+instead of one dataset per tensor keeps HDF5 object creation off the critical path (measured ~0.3 ms per
+dataset with attributes here, ~75 ms for a 200-tensor segment), and a reader can still fetch just the byte
+ranges of the tensors it owns.
+
+The bulk bytes are written with ``os.pwrite`` into the space HDF5 allocated for ``data`` (contiguous layout,
+early allocation, no fill), so the GIL is released during the write and it runs at raw disk bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from lowdiff.errors import CheckpointWriteError, CorruptFileError
+from lowdiff.storage import atomic, codecs
+from lowdiff.storage.format import FORMAT_NAME, FORMAT_VERSION
+
+
+@dataclass
+class EntryIn:
+    """One entry to write: ``raw`` is a list of buffers that are concatenated (no copy with codec none)."""
+
+    name: str
+    raw: list[Any]
+    fields: dict[str, Any]
+
+
+def _crc32_chunks(chunks: Iterable[Any]) -> int:
+    crc = 0
+    for c in chunks:
+        crc = zlib.crc32(c, crc)
+    return crc
+
+
+def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[EntryIn], codec: str) -> int:
+    """Write and atomically commit one container file; returns the bytes written."""
+    descriptors: list[dict[str, Any]] = []
+    chunks: list[Any] = []
+    offset = 0
+    for e in entries:
+        raw_nbytes = sum(memoryview(c).nbytes for c in e.raw)
+        if codec == "none":
+            encoded = [memoryview(c).cast("B") for c in e.raw]
+        else:
+            joined = e.raw[0] if len(e.raw) == 1 else b"".join(memoryview(c).cast("B") for c in e.raw)
+            encoded = [codecs.encode(codec, joined)]
+        nbytes = sum(memoryview(c).nbytes for c in encoded)
+        descriptors.append({**e.fields, "name": e.name, "codec": codec, "offset": offset, "nbytes": nbytes,
+                            "raw_nbytes": raw_nbytes, "crc32": _crc32_chunks(encoded)})
+        chunks.extend(encoded)
+        offset += nbytes
+    index = json.dumps({"meta": meta, "entries": descriptors}, separators=(",", ":")).encode()
+    tmp = atomic.tmp_path(path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT_NAME
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["kind"] = kind
+            ds = f.create_dataset("index", data=np.frombuffer(index, dtype=np.uint8))
+            ds.attrs["crc32"] = zlib.crc32(index)
+            data_offset = _allocate_data(f, offset)
+        if offset:
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                atomic.pwrite_all(fd, chunks, data_offset)
+            finally:
+                os.close(fd)
+        atomic.commit(tmp, path)
+    except OSError as e:
+        atomic.remove_quietly(tmp)
+        raise CheckpointWriteError(e.errno, f"writing {path} failed: {e.strerror or e}; nothing was "
+                                   "committed for it", str(path)) from e
+    except BaseException:
+        atomic.remove_quietly(tmp)
+        raise
+    return offset + len(index)
+
+
+def _allocate_data(f: h5py.File, nbytes: int) -> int:
+    if nbytes == 0:
+        f.create_dataset("data", shape=(0,), dtype=np.uint8)
+        return 0
+    space = h5py.h5s.create_simple((nbytes,))
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dsid = h5py.h5d.create(f.id, b"data", h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl)
+    offset = dsid.get_offset()
+    if offset is None:
+        raise OSError("HDF5 did not allocate the data dataset")
+    return int(offset)
+
+
+class ContainerReader:
+    """Read-only view of a committed container; every check failure names the file."""
+
+    def __init__(self, path: Path, expected_kind: str) -> None:
+        self.path = path
+        try:
+            self._file = h5py.File(path, "r")
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise CorruptFileError(f"{path}: not a readable HDF5 file ({e}); it may be truncated or damaged") from e
+        try:
+            self._load(expected_kind)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _load(self, expected_kind: str) -> None:
+        f, where = self._file, str(self.path)
+        try:
+            if f.attrs.get("format") != FORMAT_NAME or f.attrs.get("kind") != expected_kind:
+                raise CorruptFileError(f"{where}: not a lowdiff {expected_kind} file")
+            version = int(f.attrs.get("format_version", -1))
+            if version != FORMAT_VERSION:
+                raise CorruptFileError(f"{where}: format version {version}, this lowdiff reads {FORMAT_VERSION}; "
+                                       "upgrade lowdiff to read it")
+            index_ds, data_ds = f["index"], f["data"]
+            if index_ds.dtype != np.uint8 or data_ds.dtype != np.uint8 or index_ds.ndim != 1 or data_ds.ndim != 1:
+                raise CorruptFileError(f"{where}: index/data datasets must be 1-D uint8")
+            raw_index = index_ds[()].tobytes()
+            if zlib.crc32(raw_index) != int(index_ds.attrs.get("crc32", -1)):
+                raise CorruptFileError(f"{where}: index checksum mismatch (file damaged)")
+            doc = json.loads(raw_index)
+        except CorruptFileError:
+            raise
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            raise CorruptFileError(f"{where}: damaged container ({e})") from e
+        self._data = data_ds
+        self.data_nbytes = int(data_ds.shape[0])
+        if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict) or not isinstance(doc.get("entries"), list):
+            raise CorruptFileError(f"{where}: index lacks meta/entries")
+        self.meta: dict[str, Any] = doc["meta"]
+        self.entries: dict[str, dict[str, Any]] = {}
+        for d in doc["entries"]:
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+                raise CorruptFileError(f"{where}: malformed entry descriptor {str(d)[:80]}")
+            for key in ("offset", "nbytes", "raw_nbytes", "crc32"):
+                v = d.get(key)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise CorruptFileError(f"{where}: entry {d['name']!r} has invalid {key} {v!r}")
+            if d["offset"] + d["nbytes"] > self.data_nbytes:
+                raise CorruptFileError(f"{where}: entry {d['name']!r} runs past the end of the data "
+                                       f"({d['offset'] + d['nbytes']} > {self.data_nbytes}); file truncated?")
+            self.entries[d["name"]] = d
+
+    def read(self, name: str, expected_raw_nbytes: int) -> bytes | memoryview:
+        """Verified, decompressed bytes of one entry. ``expected_raw_nbytes`` comes from the caller's own
+        dtype x shape computation, so a hostile descriptor cannot make us allocate more."""
+        d = self.entries.get(name)
+        where = f"{self.path} [{name}]"
+        if d is None:
+            raise CorruptFileError(f"{self.path}: missing entry {name!r}")
+        if d["raw_nbytes"] != expected_raw_nbytes:
+            raise CorruptFileError(f"{where}: holds {d['raw_nbytes']} raw bytes, expected {expected_raw_nbytes}")
+        start, n = d["offset"], d["nbytes"]
+        try:
+            data = self._data[start : start + n].tobytes() if n else b""
+        except OSError as e:
+            raise CorruptFileError(f"{where}: read failed ({e})") from e
+        if zlib.crc32(data) != d["crc32"]:
+            raise CorruptFileError(f"{where}: checksum mismatch (file damaged)")
+        return codecs.decode(str(d.get("codec")), data, expected_raw_nbytes, where)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> ContainerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,181 @@
+"""The background writer: batches step records into segments and persists snapshots off the training thread.
+
+The queue is bounded (back-pressure: a slow disk blocks ``submit`` instead of growing memory). A failure is
+stored and re-raised in the training thread by :meth:`BackgroundWriter.check`; after it, records are dropped
+until the next snapshot commits, since a log with a hole cannot be replayed past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowdiff.errors import CheckpointWriteError
+from lowdiff.storage.atomic import remove_quietly
+from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.storage.segment import StepRecord, write_segment
+from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    segments: int = 0
+    snapshots: int = 0
+    log_bytes: int = 0
+    snapshot_bytes: int = 0
+    write_s: float = 0.0
+    blocked_s: float = 0.0
+    """Time the training thread waited because the queue was full (the disk is slower than training)."""
+
+
+@dataclass
+class _Flush:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_CLOSE = object()
+
+
+class BackgroundWriter:
+    def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
+                 keep_snapshots: int, durable_step: int) -> None:
+        self.run_dir = run_dir
+        self.batch_steps = batch_steps
+        self.codec = codec
+        self.compressor = compressor
+        self.keep_snapshots = keep_snapshots
+        self.stats = WriterStats()
+        self._durable_step = durable_step
+        self._error: BaseException | None = None
+        self._reported = False
+        self._broken = False
+        self._batch: list[StepRecord] = []
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth * batch_steps + 2)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="lowdiff-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def durable_step(self) -> int:
+        with self._lock:
+            return self._durable_step
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            t0 = time.perf_counter()
+            self._queue.put(item)
+            self.stats.blocked_s += time.perf_counter() - t0
+
+    def submit_record(self, record: StepRecord) -> None:
+        self._put(record)
+
+    def submit_snapshot(self, state: SnapshotState) -> None:
+        self._put(state)
+
+    def flush(self) -> int:
+        """Write the partial batch and wait until everything submitted is committed (or failed)."""
+        f = _Flush()
+        self._put(f)
+        f.done.wait()
+        return self.durable_step
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.flush()
+            self._queue.put(_CLOSE)
+            self._thread.join()
+
+    def take_error(self) -> BaseException | None:
+        """The first background failure not yet reported (each is reported once)."""
+        with self._lock:
+            if self._error is None or self._reported:
+                return None
+            self._reported = True
+            return self._error
+
+    # -- writer thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSE:
+                return
+            if isinstance(item, _Flush):
+                self._write_batch()
+                item.done.set()
+            elif isinstance(item, StepRecord):
+                if self._broken:
+                    continue
+                self._batch.append(item)
+                if len(self._batch) >= self.batch_steps:
+                    self._write_batch()
+            elif isinstance(item, SnapshotState):
+                self._write_snapshot(item)
+
+    def _fail(self, e: BaseException) -> None:
+        log.error("lowdiff background write failed: %s", e)
+        with self._lock:
+            if self._error is None or self._reported:
+                self._error = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
+                    None, f"background write in {self.run_dir} failed: {e!r}")
+                self._reported = False
+        self._broken = True
+        self._batch = []
+
+    def _write_batch(self) -> None:
+        if not self._batch or self._broken:
+            self._batch = []
+            return
+        batch, self._batch = self._batch, []
+        t0 = time.perf_counter()
+        try:
+            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor)
+        except BaseException as e:
+            self._fail(e)
+            return
+        self.stats.write_s += time.perf_counter() - t0
+        self.stats.segments += 1
+        self.stats.log_bytes += nbytes
+        with self._lock:
+            self._durable_step = max(self._durable_step, batch[-1].step)
+
+    def _write_snapshot(self, state: SnapshotState) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = write_snapshot(self.run_dir, state, self.codec)
+        except BaseException as e:
+            self._fail(e)
+            return
+        self.stats.write_s += time.perf_counter() - t0
+        self.stats.snapshots += 1
+        self.stats.snapshot_bytes += nbytes
+        if self._broken:
+            log.warning("lowdiff: snapshot at step %d committed; checkpointing resumes from it", state.step)
+            self._broken = False
+            self._batch = [r for r in self._batch if r.step > state.step]
+        with self._lock:
+            self._durable_step = max(self._durable_step, state.step)
+        if self.keep_snapshots:
+            self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        snaps = list_snapshots(self.run_dir)
+        if len(snaps) <= self.keep_snapshots:
+            return
+        steps = sorted(snaps)
+        oldest_kept = steps[-self.keep_snapshots]
+        # Delete log first: a snapshot without its older log is still a valid base, the reverse is not.
+        for _first, last, path in list_segments(self.run_dir):
+            if last <= oldest_kept:
+                remove_quietly(path)
+        for step in steps[: -self.keep_snapshots]:
+            remove_quietly(snaps[step])
