@@ -173,7 +173,12 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
         groups.append({**hyper, "params": [index[n] for n in names]})
     optimizer = {"state": {index[n]: r.optimizer_state[n] for n in order if n in r.optimizer_state},
                  "param_groups": groups}
-    exact = target == chain.snapshot_step
-    comp = r.compressor_state if exact else {n: {"q": q} for n, q in r.last_q.items()}
+    # A compacted snapshot was itself rebuilt from the log, so its compressor memory is partial too.
+    exact = target == chain.snapshot_step and bool(r.snapshot_extra.get("compressor_state_exact", True))
+    if exact:
+        comp = r.compressor_state
+    else:
+        comp = {n: {"q": st["q"]} for n, st in r.compressor_state.items() if "q" in st}
+        comp.update({n: {"q": q} for n, q in r.last_q.items()})
     return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
                      compressor_state_exact=exact, report=report)

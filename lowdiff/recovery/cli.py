@@ -119,6 +119,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from lowdiff.recovery.compact import compact
+
+    res = compact(args.run_dir, step=args.step, keep=args.keep, workers=args.workers)
+    what = "wrote a snapshot" if res.wrote_snapshot else "a snapshot already existed"
+    print(f"compacted {args.run_dir} at step {res.step}: {what}; removed {len(res.removed)} file(s)")
+    for p in res.removed:
+        print(f"  removed {p.name}")
+    return 0
+
+
 def _run(fn: Any, args: argparse.Namespace, prog: str) -> int:
     try:
         return int(fn(args))
@@ -144,8 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_recover_args(sub.add_parser("recover", help="rebuild a step (same as lowdiff-recover)"))
     sub.add_parser("inspect", help="summarize snapshots, log and model").add_argument("run_dir")
     sub.add_parser("verify", help="check every checksum and the log's contiguity").add_argument("run_dir")
+    cp = sub.add_parser("compact", help="fold the log up to a step into a new full snapshot; apply retention")
+    cp.add_argument("run_dir")
+    cp.add_argument("--step", type=int, default=None, help="step to snapshot (default: latest durable)")
+    cp.add_argument("--keep", type=int, default=None, help="then keep only the newest N snapshots (and their log)")
+    cp.add_argument("--workers", type=int, default=None, help="replay worker processes")
     args = p.parse_args(argv)
-    fn = {"recover": _cmd_recover, "inspect": _cmd_inspect, "verify": _cmd_verify}[args.command]
+    fn = {"recover": _cmd_recover, "inspect": _cmd_inspect, "verify": _cmd_verify,
+          "compact": _cmd_compact}[args.command]
     return _run(fn, args, f"lowdiff {args.command}")
 
 

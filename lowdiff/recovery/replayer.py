@@ -72,6 +72,7 @@ class PartitionResult:
     compressor_state: dict[str, dict[str, torch.Tensor]]
     last_q: dict[str, torch.Tensor]
     """PowerSGD: the newest logged Q per parameter (the warm start a resumed run continues from)."""
+    snapshot_extra: dict[str, Any] = field(default_factory=dict)
     bytes_read: int = 0
     steps: int = 0
     times: PhaseTimes = field(default_factory=PhaseTimes)
@@ -97,7 +98,8 @@ def replay_partition(manifest: Manifest, snapshot_path: Path, segments: list[Seg
     buffers = dict(snap.buffers)
     last_q: dict[str, torch.Tensor] = {}
     result = PartitionResult(params={}, optimizer_state={}, groups=[], buffers=buffers,
-                             compressor_state=snap.compressor_state, last_q=last_q)
+                             compressor_state=snap.compressor_state, last_q=last_q,
+                             snapshot_extra=snap.extra)
     for seg in segments:
         if seg.last <= snap.step:
             continue

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.storage.atomic import remove_quietly
-from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.storage.retention import apply_retention
 from lowdiff.storage.segment import StepRecord, write_segment
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
@@ -165,17 +164,4 @@ class BackgroundWriter:
         with self._lock:
             self._durable_step = max(self._durable_step, state.step)
         if self.keep_snapshots:
-            self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        snaps = list_snapshots(self.run_dir)
-        if len(snaps) <= self.keep_snapshots:
-            return
-        steps = sorted(snaps)
-        oldest_kept = steps[-self.keep_snapshots]
-        # Delete log first: a snapshot without its older log is still a valid base, the reverse is not.
-        for _first, last, path in list_segments(self.run_dir):
-            if last <= oldest_kept:
-                remove_quietly(path)
-        for step in steps[: -self.keep_snapshots]:
-            remove_quietly(snaps[step])
+            apply_retention(self.run_dir, self.keep_snapshots)
