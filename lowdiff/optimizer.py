@@ -18,14 +18,7 @@ from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
 from lowdiff.recovery import recover
 from lowdiff.storage.atomic import fsync_dir
-from lowdiff.storage.format import (
-    LOG_DIR,
-    MANIFEST,
-    SNAPSHOT_DIR,
-    encode_value,
-    list_segments,
-    list_snapshots,
-)
+from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -254,8 +247,7 @@ def _to_device(state: dict[str, dict[str, torch.Tensor]], device: str) -> dict[s
 def _quarantine_beyond(run_dir: Path, step: int) -> None:
     """Move files holding steps after ``step`` (damaged or unreachable) aside, so new segments never collide
     with them. Nothing is deleted."""
-    moved = [p for s, p in list_snapshots(run_dir).items() if s > step]
-    moved += [p for first, last, p in list_segments(run_dir) if last > step]
+    moved = files_beyond(run_dir, step)
     if not moved:
         return
     qdir = run_dir / "quarantine"

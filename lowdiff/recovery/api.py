@@ -112,17 +112,17 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
         mode = f"sequential ({manifest.optimizer_class} is not known to be element-wise)"
         workers = 1
     if workers == 1 or nsteps == 0:
-        return replay_partition(manifest, chain.snapshot_path, segments, target, None, True, optimizer_class,
+        return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress), 1, mode
     parts = partition_by_bytes(manifest, names, workers)
     # fork: workers start in milliseconds and never re-import the caller's __main__ (spawn would re-run an
     # unguarded script). Each worker runs torch single-threaded, as DataLoader workers do after fork.
     ctx = torch_mp.get_context("fork" if "fork" in torch_mp.get_all_start_methods() else "spawn")
     with ProcessPoolExecutor(max_workers=len(parts) + 1, mp_context=ctx) as pool:
-        futures = [pool.submit(_worker, manifest, chain.snapshot_path, segments, target, part, False,
+        futures = [pool.submit(_worker, manifest, chain.snapshot, segments, target, part, False,
                                optimizer_class, device) for part in parts]
         # Parameters outside every optimizer group (and buffers) come from one more light partition.
-        rest = pool.submit(_worker, manifest, chain.snapshot_path, segments, target, [], True,
+        rest = pool.submit(_worker, manifest, chain.snapshot, segments, target, [], True,
                            optimizer_class, device)
         results = [f.result() for f in futures]
         merged = rest.result()
@@ -164,7 +164,7 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
     model: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, canonical in manifest.state_dict_keys:
         if canonical not in tensors:
-            raise CorruptFileError(f"{chain.snapshot_path}: no value for {canonical!r}")
+            raise CorruptFileError(f"{chain.snapshot}: no value for {canonical!r}")
         model[key] = tensors[canonical]
     order = manifest.optimized_params
     index = {n: i for i, n in enumerate(order)}

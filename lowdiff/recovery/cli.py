@@ -6,7 +6,6 @@ Errors a user can act on print one line and exit non-zero, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -67,8 +66,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           f"codec {cfg.get('log', {}).get('codec')}")
     snaps = list_snapshots(root)
     segs = list_segments(root)
-    snap_bytes = sum(p.stat().st_size for p in snaps.values())
-    log_bytes = sum(p.stat().st_size for _, _, p in segs)
+    snap_bytes = sum(f.nbytes for f in snaps.values())
+    log_bytes = sum(f.nbytes for _, _, f in segs)
     print(f"  snapshots: {len(snaps)} at steps {_ranges(list(snaps))} ({snap_bytes / 1e6:.2f} MB)")
     if segs:
         print(f"  log: {len(segs)} segments, steps {segs[0][0]}..{segs[-1][1]} ({log_bytes / 1e6:.2f} MB, "
@@ -92,20 +91,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     root = Path(args.run_dir)
     m = read_manifest(root)
     problems: list[str] = []
-    for step, path in list_snapshots(root).items():
+    for _step, files in list_snapshots(root).items():
         try:
-            read_snapshot(path, m)
+            read_snapshot(files, m)
         except LowDiffError as e:
             problems.append(str(e))
     segs = list_segments(root)
     prev_last = None
-    for first, last, path in segs:
+    for first, last, files in segs:
         if prev_last is not None and first != prev_last + 1:
             problems.append(f"log gap or overlap: a segment ends at step {prev_last}, the next starts at {first} "
-                            f"({path.name})")
+                            f"({files.name})")
         prev_last = last
         try:
-            with SegmentReader(path, m, first, last) as r:
+            with SegmentReader(files, m, first, last) as r:
                 r.read_steps(None, with_buffers=True)
         except LowDiffError as e:
             problems.append(str(e))

@@ -11,14 +11,13 @@ import importlib
 import inspect
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowdiff.compressors import decode_payload
 from lowdiff.errors import CorruptFileError, UnsupportedError
-from lowdiff.storage.format import DTYPES, decode_value
+from lowdiff.storage.format import DTYPES, FileSet, decode_value
 from lowdiff.storage.log_reader import Segment
 from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.segment import SegmentReader
@@ -78,7 +77,7 @@ class PartitionResult:
     times: PhaseTimes = field(default_factory=PhaseTimes)
 
 
-def replay_partition(manifest: Manifest, snapshot_path: Path, segments: list[Segment], target: int,
+def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segment], target: int,
                      names: list[str] | None, with_buffers: bool, optimizer_class: type | None = None,
                      device: str = "cpu", progress: Any = None) -> PartitionResult:
     """Replay parameters ``names`` (None: all) from the snapshot to ``target``; returns CPU tensors."""
@@ -88,7 +87,7 @@ def replay_partition(manifest: Manifest, snapshot_path: Path, segments: list[Seg
     # The partition that carries buffers also carries parameters no optimizer group holds (they never change).
     extra = [p.name for p in manifest.params if p.name not in set(optimized)] if with_buffers else []
     only = None if names is None else set(names) | set(extra)
-    snap = read_snapshot(snapshot_path, manifest, only=only, with_buffers=with_buffers)
+    snap = read_snapshot(snapshot, manifest, only=only, with_buffers=with_buffers)
     times.load_snapshot_s = time.perf_counter() - t0
     wanted = [n for n in optimized if names is None or n in set(names)]
     params = {n: torch.nn.Parameter(snap.params[n].to(device), requires_grad=manifest.param(n).requires_grad)
@@ -104,7 +103,7 @@ def replay_partition(manifest: Manifest, snapshot_path: Path, segments: list[Seg
         if seg.last <= snap.step:
             continue
         t0 = time.perf_counter()
-        with SegmentReader(seg.path, manifest, seg.first, seg.last) as reader:
+        with SegmentReader(seg.files, manifest, seg.first, seg.last) as reader:
             result.bytes_read += reader.nbytes
             steps = reader.read_steps(wanted, with_buffers=with_buffers)
         times.read_s += time.perf_counter() - t0
@@ -117,7 +116,7 @@ def replay_partition(manifest: Manifest, snapshot_path: Path, segments: list[Seg
                 spec = manifest.param(n)
                 g = decode_payload({k: v.to(device) for k, v in payload.items()}, spec.shape)
                 if g.dtype != DTYPES[spec.dtype]:
-                    raise CorruptFileError(f"{seg.path}: step {sd.step} gradient of {n!r} is {g.dtype}, "
+                    raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
                                            f"parameter is {spec.dtype}")
                 grads[n] = g
                 if "q" in payload:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ LOCK_FILE = "writer.lock"
 TMP_SUFFIX = ".tmp"
 STEP_DIGITS = 10
 
-_SNAPSHOT_RE = re.compile(r"^step-(\d{%d})\.h5$" % STEP_DIGITS)
-_SEGMENT_RE = re.compile(r"^steps-(\d{%d})-(\d{%d})\.h5$" % (STEP_DIGITS, STEP_DIGITS))
+_SHARD = r"(?:\.shard-(\d{5})-of-(\d{5}))?"
+_SNAPSHOT_RE = re.compile(r"^step-(\d{%d})%s\.h5$" % (STEP_DIGITS, _SHARD))
+_SEGMENT_RE = re.compile(r"^steps-(\d{%d})-(\d{%d})%s\.h5$" % (STEP_DIGITS, STEP_DIGITS, _SHARD))
+
 
 # The dtypes a run directory may hold; anything else is rejected when read.
 DTYPES: dict[str, torch.dtype] = {
@@ -33,48 +36,119 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def snapshot_name(step: int) -> str:
-    return f"step-{step:0{STEP_DIGITS}d}.h5"
+@dataclass(frozen=True)
+class Shard:
+    """Which part of a sharded file set a file is: shard ``index`` of ``count`` (0 of 1 when unsharded)."""
+
+    index: int = 0
+    count: int = 1
+
+    def suffix(self) -> str:
+        return "" if self.count == 1 else f".shard-{self.index:05d}-of-{self.count:05d}"
 
 
-def segment_name(first_step: int, last_step: int) -> str:
-    return f"steps-{first_step:0{STEP_DIGITS}d}-{last_step:0{STEP_DIGITS}d}.h5"
+@dataclass(frozen=True)
+class FileSet:
+    """One logical snapshot or segment: a single file, or one file per writing rank (all must be present)."""
+
+    paths: tuple[Path, ...]
+
+    @property
+    def name(self) -> str:
+        return str(self.paths[0]) if len(self.paths) == 1 else f"{self.paths[0].parent}/{_base(self.paths[0].name)}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.paths)
+
+    def __str__(self) -> str:
+        return self.name
 
 
-def parse_snapshot_name(name: str) -> int | None:
+def _base(name: str) -> str:
+    return re.sub(r"\.shard-\d{5}-of-\d{5}", "", name)
+
+
+def snapshot_name(step: int, shard: Shard = Shard()) -> str:
+    return f"step-{step:0{STEP_DIGITS}d}{shard.suffix()}.h5"
+
+
+def segment_name(first_step: int, last_step: int, shard: Shard = Shard()) -> str:
+    return f"steps-{first_step:0{STEP_DIGITS}d}-{last_step:0{STEP_DIGITS}d}{shard.suffix()}.h5"
+
+
+def _shard(index: str | None, count: str | None) -> Shard | None:
+    if index is None:
+        return Shard()
+    i, n = int(index), int(count or 0)
+    return Shard(i, n) if 0 <= i < n and n > 1 else None
+
+
+def parse_snapshot_name(name: str) -> tuple[int, Shard] | None:
     m = _SNAPSHOT_RE.match(name)
-    return int(m.group(1)) if m else None
+    if not m:
+        return None
+    shard = _shard(m.group(2), m.group(3))
+    return (int(m.group(1)), shard) if shard else None
 
 
-def parse_segment_name(name: str) -> tuple[int, int] | None:
+def parse_segment_name(name: str) -> tuple[int, int, Shard] | None:
     m = _SEGMENT_RE.match(name)
     if not m:
         return None
     first, last = int(m.group(1)), int(m.group(2))
-    return (first, last) if first <= last else None
+    shard = _shard(m.group(3), m.group(4))
+    return (first, last, shard) if first <= last and shard else None
 
 
-def list_snapshots(run_dir: Path) -> dict[int, Path]:
-    """Committed snapshots by step (``*.tmp`` and foreign names ignored)."""
+def _complete(groups: dict[tuple[Any, ...], dict[Shard, Path]]) -> dict[tuple[Any, ...], FileSet]:
+    """Keep only complete shard sets; if several world sizes wrote the same steps, the smallest count wins."""
+    out: dict[tuple[Any, ...], FileSet] = {}
+    for key, files in groups.items():
+        for count in sorted({s.count for s in files}):
+            members = {s.index: p for s, p in files.items() if s.count == count}
+            if len(members) == count:
+                out[key] = FileSet(tuple(members[i] for i in range(count)))
+                break
+    return out
+
+
+def list_snapshots(run_dir: Path) -> dict[int, FileSet]:
+    """Committed, complete snapshots by step (``*.tmp``, foreign names and incomplete shard sets ignored)."""
+    groups: dict[tuple[Any, ...], dict[Shard, Path]] = {}
     d = run_dir / SNAPSHOT_DIR
-    out: dict[int, Path] = {}
     if d.is_dir():
         for p in d.iterdir():
-            step = parse_snapshot_name(p.name)
-            if step is not None:
-                out[step] = p
-    return dict(sorted(out.items()))
+            parsed = parse_snapshot_name(p.name)
+            if parsed is not None:
+                groups.setdefault((parsed[0],), {})[parsed[1]] = p
+    return {k[0]: v for k, v in sorted(_complete(groups).items())}
 
 
-def list_segments(run_dir: Path) -> list[tuple[int, int, Path]]:
-    """Committed log segments as (first_step, last_step, path), sorted by first step."""
+def list_segments(run_dir: Path) -> list[tuple[int, int, FileSet]]:
+    """Committed, complete log segments as (first_step, last_step, files), sorted by first step."""
+    groups: dict[tuple[Any, ...], dict[Shard, Path]] = {}
     d = run_dir / LOG_DIR
-    out: list[tuple[int, int, Path]] = []
     if d.is_dir():
         for p in d.iterdir():
-            rng = parse_segment_name(p.name)
-            if rng is not None:
-                out.append((rng[0], rng[1], p))
+            parsed = parse_segment_name(p.name)
+            if parsed is not None:
+                groups.setdefault((parsed[0], parsed[1]), {})[parsed[2]] = p
+    return sorted((k[0], k[1], v) for k, v in _complete(groups).items())
+
+
+def files_beyond(run_dir: Path, step: int) -> list[Path]:
+    """Every snapshot or segment file (complete set or not) holding a step after ``step``."""
+    out = []
+    for sub in (SNAPSHOT_DIR, LOG_DIR):
+        d = run_dir / sub
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            snap, seg = parse_snapshot_name(p.name), parse_segment_name(p.name)
+            last = snap[0] if snap else seg[1] if seg else None
+            if last is not None and last > step:
+                out.append(p)
     return sorted(out)
 
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowdiff.errors import StepNotAvailableError
-from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.storage.format import FileSet, list_segments, list_snapshots
 
 
 @dataclass(frozen=True)
 class Segment:
     first: int
     last: int
-    path: Path
+    files: FileSet
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Chain:
     """A snapshot and the segments that extend it contiguously to ``end``."""
 
     snapshot_step: int
-    snapshot_path: Path
+    snapshot: FileSet
     segments: tuple[Segment, ...]
     end: int
 
@@ -33,14 +33,14 @@ def chains(run_dir: Path) -> list[Chain]:
     """One chain per committed snapshot, newest snapshot first."""
     segments = [Segment(f, la, p) for f, la, p in list_segments(run_dir)]
     out = []
-    for step, path in sorted(list_snapshots(run_dir).items(), reverse=True):
+    for step, files in sorted(list_snapshots(run_dir).items(), reverse=True):
         chain: list[Segment] = []
         end = step
         for seg in segments:
             if seg.first <= end + 1 <= seg.last:
                 chain.append(seg)
                 end = seg.last
-        out.append(Chain(step, path, tuple(chain), end))
+        out.append(Chain(step, files, tuple(chain), end))
     return out
 
 

@@ -17,11 +17,13 @@ def apply_retention(root: Path, keep: int) -> list[Path]:
         return []
     oldest_kept = steps[-keep]
     removed = []
-    for _first, last, path in list_segments(root):
+    for _first, last, files in list_segments(root):
         if last <= oldest_kept:
+            for path in files.paths:
+                remove_quietly(path)
+                removed.append(path)
+    for s in steps[:-keep]:
+        for path in snaps[s].paths:
             remove_quietly(path)
             removed.append(path)
-    for s in steps[:-keep]:
-        remove_quietly(snaps[s])
-        removed.append(snaps[s])
     return removed

@@ -20,6 +20,8 @@ from lowdiff.errors import CorruptFileError
 from lowdiff.storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.storage.format import (
     LOG_DIR,
+    FileSet,
+    Shard,
     check_shape,
     dtype_name,
     parse_dtype,
@@ -50,7 +52,8 @@ class StepRecord:
         return sum(t.numel() * t.element_size() for p in self.grads.values() for t in p.values())
 
 
-def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str) -> int:
+def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str,
+                  shard: Shard = Shard()) -> int:
     first, last = records[0].step, records[-1].step
     if [r.step for r in records] != list(range(first, last + 1)):
         raise ValueError(f"segment steps must be consecutive, got {[r.step for r in records]}")
@@ -88,7 +91,7 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
                                                         "inner_shape": list(like.shape), "counts": counts}))
     meta = {"first_step": first, "last_step": last, "compressor": compressor,
             "steps": [{"step": r.step, "groups": r.groups} for r in records]}
-    return write_container(run_dir / LOG_DIR / segment_name(first, last), KIND, meta, entries, codec)
+    return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)
 
 
 @dataclass
@@ -104,38 +107,54 @@ class StepData:
 class SegmentReader:
     """Validated view of one segment; reads only the columns asked for."""
 
-    def __init__(self, path: Path, manifest: Manifest, first: int, last: int) -> None:
-        self.path = path
+    def __init__(self, files: FileSet | Path, manifest: Manifest, first: int, last: int) -> None:
+        self.files = files if isinstance(files, FileSet) else FileSet((files,))
+        self.path = self.files.name
         self.manifest = manifest
-        self._r = ContainerReader(path, KIND)
-        meta = self._r.meta
+        self._readers: list[ContainerReader] = []
+        self._owner: dict[str, ContainerReader] = {}
+        try:
+            for path in self.files.paths:
+                r = ContainerReader(path, KIND)
+                self._readers.append(r)
+                self._check_meta(r, first, last)
+                for name in r.entries:
+                    if name in self._owner:
+                        raise CorruptFileError(f"{path}: entry {name!r} is also in {self._owner[name].path}")
+                    self._owner[name] = r
+        except BaseException:
+            self.close()
+            raise
+        meta = self._readers[0].meta
+        self.first, self.last = first, last
+        self.steps: list[dict[str, Any]] = meta["steps"]
+        self.compressor = str(meta.get("compressor"))
+
+    def _check_meta(self, r: ContainerReader, first: int, last: int) -> None:
+        meta, path = r.meta, r.path
         if (meta.get("first_step"), meta.get("last_step")) != (first, last):
-            self._r.close()
             raise CorruptFileError(f"{path}: holds steps {meta.get('first_step')}-{meta.get('last_step')}, "
                                    f"its name says {first}-{last}")
         steps = meta.get("steps")
         if not isinstance(steps, list) or [s.get("step") if isinstance(s, dict) else None for s in steps] != \
                 list(range(first, last + 1)):
-            self._r.close()
             raise CorruptFileError(f"{path}: step list does not match {first}-{last}")
-        ngroups = len(manifest.param_groups)
+        ngroups = len(self.manifest.param_groups)
         for s in steps:
             if not isinstance(s.get("groups"), list) or len(s["groups"]) != ngroups:
-                self._r.close()
                 raise CorruptFileError(f"{path}: step {s['step']} has hyperparameters for "
                                        f"{len(s.get('groups') or [])} groups, the optimizer has {ngroups}")
-        self.first, self.last = first, last
-        self.steps: list[dict[str, Any]] = steps
-        self.compressor = str(meta.get("compressor"))
+        if self._readers and steps != self._readers[0].meta.get("steps"):
+            raise CorruptFileError(f"{path}: step metadata differs from its sibling shard's")
 
     @property
     def nbytes(self) -> int:
-        return sum(d["nbytes"] for d in self._r.entries.values())
+        return sum(d["nbytes"] for r in self._readers for d in r.entries.values())
 
     def grad_columns(self) -> dict[str, list[str]]:
         """Parameter name -> payload field names present in this segment."""
         out: dict[str, list[str]] = {}
-        for name in self._r.entries:
+        for name in self._owner:
             kind, _, rest = name.partition("/")
             if kind == "grad":
                 pname, _, fname = rest.rpartition("/")
@@ -145,8 +164,9 @@ class SegmentReader:
     def read_column(self, name: str, max_numel: int, fixed_shape: tuple[int, ...] | None = None
                     ) -> list[torch.Tensor | None]:
         """One tensor (or None) per step of the segment for entry ``name``."""
-        d = self._r.entries[name]
-        where = f"{self.path} [{name}]"
+        reader = self._owner[name]
+        d = reader.entries[name]
+        where = f"{reader.path} [{name}]"
         dtype = parse_dtype(d.get("dtype"), where)
         inner = d.get("inner_shape")
         counts = d.get("counts")
@@ -166,7 +186,7 @@ class SegmentReader:
         tail_numel = math.prod(inner[1:]) if fixed_shape is None else math.prod(fixed_shape)
         itemsize = torch.empty((), dtype=dtype).element_size()
         total = sum(c for c in counts if c > 0)
-        raw = self._r.read(name, total * itemsize)
+        raw = reader.read(name, total * itemsize)
         out: list[torch.Tensor | None] = []
         pos = 0
         for c in counts:
@@ -201,7 +221,7 @@ class SegmentReader:
                     if t is not None:
                         sd.grads.setdefault(pname, {})[fname] = t
         if with_buffers:
-            for name in self._r.entries:
+            for name in self._owner:
                 kind, _, bname = name.partition("/")
                 if kind != "buffer":
                     continue
@@ -215,7 +235,8 @@ class SegmentReader:
         return out
 
     def close(self) -> None:
-        self._r.close()
+        for r in self._readers:
+            r.close()
 
     def __enter__(self) -> SegmentReader:
         return self

@@ -12,6 +12,8 @@ from lowdiff.errors import CorruptFileError
 from lowdiff.storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.storage.format import (
     SNAPSHOT_DIR,
+    FileSet,
+    Shard,
     check_shape,
     decode_value,
     dtype_name,
@@ -42,8 +44,9 @@ class SnapshotState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def write_snapshot(run_dir: Path, state: SnapshotState, codec: str) -> int:
-    """Commit ``snapshots/step-N.h5``; tensors must be CPU tensors the caller no longer mutates."""
+def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = Shard()) -> int:
+    """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no
+    longer mutates. With several shards each file holds part of the tensors and the same metadata."""
     entries: list[EntryIn] = []
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -65,16 +68,32 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str) -> int:
             add(f"compressor/{n}/{k}", v)
     meta = {"step": state.step, "param_groups": state.param_groups, "optimizer_scalars": scalars,
             "compressor": state.compressor_name, "extra": state.extra}
-    path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step)
+    path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
     return write_container(path, KIND, meta, entries, codec)
 
 
-def read_snapshot(path: Path, manifest: Manifest, only: set[str] | None = None,
+def read_snapshot(files: FileSet | Path, manifest: Manifest, only: set[str] | None = None,
                   with_buffers: bool = True) -> SnapshotState:
-    """Load a snapshot, verifying every checksum and every shape against the manifest.
+    """Load a snapshot (all its shards), verifying every checksum and every shape against the manifest.
 
     ``only`` limits parameters, optimizer and compressor state to those parameter names (replay workers).
     """
+    fileset = files if isinstance(files, FileSet) else FileSet((files,))
+    state: SnapshotState | None = None
+    for path in fileset.paths:
+        state = _read_one(path, manifest, only, with_buffers, state)
+    assert state is not None
+    if only is None:
+        missing = [p.name for p in manifest.params if p.name not in state.params]
+    else:
+        missing = [n for n in only if n not in state.params]
+    if missing:
+        raise CorruptFileError(f"{fileset}: parameter {missing[0]!r} is missing")
+    return state
+
+
+def _read_one(path: Path, manifest: Manifest, only: set[str] | None, with_buffers: bool,
+              state: SnapshotState | None) -> SnapshotState:
     with ContainerReader(path, KIND) as r:
         meta = r.meta
         step = meta.get("step")
@@ -84,8 +103,11 @@ def read_snapshot(path: Path, manifest: Manifest, only: set[str] | None = None,
         if not isinstance(groups, list) or len(groups) != len(manifest.param_groups):
             raise CorruptFileError(f"{path}: has {len(groups) if isinstance(groups, list) else '?'} optimizer "
                                    f"groups, the manifest {len(manifest.param_groups)}")
-        state = SnapshotState(step=step, param_groups=groups, compressor_name=str(meta.get("compressor")),
-                              extra=meta.get("extra") or {})
+        if state is None:
+            state = SnapshotState(step=step, param_groups=groups, compressor_name=str(meta.get("compressor")),
+                                  extra=meta.get("extra") or {})
+        elif state.step != step:
+            raise CorruptFileError(f"{path}: shard holds step {step}, its sibling step {state.step}")
         scalars = meta.get("optimizer_scalars") or {}
         if not isinstance(scalars, dict):
             raise CorruptFileError(f"{path}: invalid optimizer_scalars")
@@ -122,12 +144,6 @@ def read_snapshot(path: Path, manifest: Manifest, only: set[str] | None = None,
             if not manifest.has_param(pname) or not isinstance(st, dict):
                 raise CorruptFileError(f"{path}: scalar state for unknown parameter {pname!r}")
             state.optimizer_state.setdefault(pname, {}).update({k: decode_value(v) for k, v in st.items()})
-    if only is None:
-        missing = [p.name for p in manifest.params if p.name not in state.params]
-    else:
-        missing = [n for n in only if n not in state.params]
-    if missing:
-        raise CorruptFileError(f"{path}: parameter {missing[0]!r} is missing")
     return state
 
 
