@@ -9,7 +9,7 @@ from pathlib import Path
 from lowdiff.config import Config
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.atomic import clean_stale_tmp
-from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR
+from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, Shard
 from lowdiff.storage.lock import WriterLock
 from lowdiff.storage.log_writer import BackgroundWriter, WriterStats
 from lowdiff.storage.segment import StepRecord
@@ -21,16 +21,18 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Decides full vs differential per step and hands both to the background writer."""
 
-    def __init__(self, config: Config, compressor_name: str) -> None:
+    def __init__(self, config: Config, compressor_name: str, shard: Shard = Shard()) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.compressor_name = compressor_name
+        self.shard = shard
         self._writer: BackgroundWriter | None = None
         self._lock: WriterLock | None = None
         self._disabled_by_error = False
 
     def open(self) -> None:
-        """Create the directory layout, take the lock and remove stale ``*.tmp`` files."""
+        """Create the directory layout, take the lock and remove stale ``*.tmp`` files (rank 0 only: the
+        lock stands for the whole job)."""
         for d in (self.run_dir, self.run_dir / SNAPSHOT_DIR, self.run_dir / LOG_DIR):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = WriterLock(self.run_dir)
@@ -42,7 +44,8 @@ class Checkpointer:
         cfg = self.config
         self._writer = BackgroundWriter(self.run_dir, batch_steps=cfg.log.batch_steps, codec=cfg.log.codec,
                                         compressor=self.compressor_name, queue_depth=cfg.log.queue_depth,
-                                        keep_snapshots=cfg.snapshot.keep, durable_step=durable_step)
+                                        keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
+                                        shard=self.shard)
 
     @property
     def stats(self) -> WriterStats:

@@ -12,15 +12,19 @@ from typing import Any
 import torch
 
 from lowdiff.checkpointer import Checkpointer
+from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
 from lowdiff.compressors import decode_payload, make_compressor
 from lowdiff.config import Config, load_config
 from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
+from lowdiff import rng as rng_state
+from lowdiff.data import positions_of, restore_positions
 from lowdiff.recovery import recover
 from lowdiff.storage.atomic import fsync_dir
-from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, encode_value, files_beyond
+from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
 from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -43,13 +47,30 @@ class LowDiffOptimizer:
         self._spec = describe(self.model, optimizer, config)
         cc = config.compressor
         self.compressor = make_compressor(cc.name, ratio=cc.ratio, rank=cc.rank, error_feedback=cc.error_feedback)
+        self._coord = Coordinator(is_ddp(model))
+        self._hook: HookState | None = None
+        if is_ddp(model):
+            names = {id(p): n for n, p in self._spec.params.items()}
+            self._hook = HookState(self.compressor, names, ProcessGroupComm())
+            try:
+                model.register_comm_hook(self._hook, lowdiff_comm_hook)  # type: ignore[operator]
+            except RuntimeError as e:
+                raise LowDiffError(f"cannot install lowdiff's DDP communication hook ({e}); lowdiff brings its own "
+                                   "compression hook: do not register another one") from e
+        self._owned = self._owned_names()
+        self._leader = self._coord.rank == 0
         self._step = 0
         self._closed = False
         self._buffer_last: dict[str, torch.Tensor] = {}
         self._needs_resume = False
+        self._tracked: dict[str, Any] = {}
+        # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/FORMAT.md §7).
+        self._rng_rank = rng_state.current_rank()
+        self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
-            self._checkpointer = Checkpointer(config, cc.name)
+            shard = Shard(self._coord.rank, self._coord.world_size)
+            self._checkpointer = Checkpointer(config, cc.name, shard)
             self._open_run_dir()
 
     # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
@@ -84,21 +105,42 @@ class LowDiffOptimizer:
         """Optimizer steps taken: the state now is step ``step_count``."""
         return self._step
 
+    def track(self, obj: Any, name: str = "data") -> Any:
+        """Log ``obj.state_dict()`` (a small JSON dict, e.g. a :class:`lowdiff.data.ResumableLoader`'s
+        ``{"epoch", "seed", "offset"}``) with every step, and restore it with ``load_state_dict`` in
+        :meth:`resume`. Call before ``resume()``; returns ``obj``."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"opt.track() needs an object with state_dict() and load_state_dict(), got "
+                            f"{type(obj).__name__}")
+        if self._step > 0 or name in self._tracked:
+            raise LowDiffError(f"opt.track({name!r}) must come before opt.resume() and the first step, once per name")
+        try:
+            encode_value(obj.state_dict())
+        except TypeError as e:
+            raise UnsupportedError(f"the state of tracked {name!r} cannot be logged as JSON: {e}") from e
+        self._tracked[name] = obj
+        return obj
+
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def _open_run_dir(self) -> None:
         assert self._checkpointer is not None
         ckpt = self._checkpointer
-        ckpt.open()
+        if self._leader:
+            ckpt.open()
+        self._coord.barrier("open run directory")
         run_dir = ckpt.run_dir
         if (run_dir / MANIFEST).exists():
             check_compatible(read_manifest(run_dir), self._spec.manifest, run_dir)
             self._needs_resume = True
             return
-        # A new run: the step-0 snapshot first, the manifest last (its presence commits the run).
+        # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
         self._remember_buffers()
-        write_snapshot(run_dir, self._capture(0), self.config.log.codec)
-        write_manifest(run_dir, self._spec.manifest)
+        write_snapshot(run_dir, self._capture(0), self.config.log.codec, ckpt.shard)
+        self._coord.barrier("snapshot 0")
+        if self._leader:
+            write_manifest(run_dir, self._spec.manifest)
+        self._coord.barrier("manifest")
         ckpt.start(durable_step=0)
 
     def resume(self) -> int:
@@ -122,11 +164,17 @@ class LowDiffOptimizer:
                      rec.step)
         for s in rec.report.skipped:
             log.warning("lowdiff: resume skipped %s", s)
-        _quarantine_beyond(run_dir, rec.step)
+        self._coord.barrier("recovered")
+        if self._leader:
+            _quarantine_beyond(run_dir, rec.step)
+        self._coord.barrier("quarantined")
         self._step = rec.step
         self._remember_buffers()
         self._needs_resume = False
         self._checkpointer.start(durable_step=rec.step)
+        # Last, so nothing above draws from the restored generators: the next forward starts from them.
+        restore_positions(self._tracked, rec.data, rec.step)
+        rng_state.restore_at_resume(rec.rng, self._rng_rank, rec.step)
         log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
         return rec.step
 
@@ -167,7 +215,10 @@ class LowDiffOptimizer:
                                "or use a new run_dir")
         if self._checkpointer is not None:
             self._checkpointer.check()
-        copy_payload = self.compressor.name == "none"
+        # Single process: the identity payload aliases the live gradient, so it is copied. Under DDP every
+        # payload is a fresh aggregate the hook made, and .grad already holds its decode.
+        copy_payload = self.compressor.name == "none" and self._hook is None
+        aggregated = self._hook.take() if self._hook is not None else None
         grads: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for name, p in self._spec.optimized:
@@ -176,11 +227,18 @@ class LowDiffOptimizer:
                     continue
                 if g.is_sparse:
                     raise UnsupportedError(f"parameter {name!r} has a sparse gradient; lowdiff logs dense ones")
-                payload = self.compressor.compress(name, g)
-                decoded = decode_payload(payload, p.shape)
-                if decoded is not g:
-                    p.grad = decoded
-                grads[name] = payload
+                if aggregated is not None:
+                    payload = aggregated.get(name)  # type: ignore[assignment]
+                    if payload is None:
+                        raise LowDiffError(f"parameter {name!r} has a gradient DDP's communication hook did not "
+                                           "aggregate this step (accumulating outside no_sync()?)")
+                else:
+                    payload = self.compressor.compress(name, g)
+                    decoded = decode_payload(payload, p.shape)
+                    if decoded is not g:
+                        p.grad = decoded
+                if name in self._owned:
+                    grads[name] = payload
         groups = [_encode_group(g) for g in self.inner.param_groups]
         out = self.inner.step()
         step = self._step + 1
@@ -190,12 +248,24 @@ class LowDiffOptimizer:
                 step=step, groups=groups,
                 grads={n: {f: _cpu_copy(t) if copy_payload else t.detach().cpu() for f, t in pl.items()}
                        for n, pl in grads.items()},
-                buffers=self._changed_buffers(),
+                buffers=self._changed_buffers() if self._leader else {},
             )
             self._checkpointer.on_step(record, lambda: self._capture(step))
         return out
 
     # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _owned_names(self) -> set[str]:
+        """Parameter names this rank persists: a byte-balanced share of the optimized ones; rank 0 also
+        keeps the parameters no optimizer group holds (buffers are rank 0's too)."""
+        all_names = set(self._spec.params)
+        if self._coord.world_size == 1:
+            return all_names
+        sizes = {n: p.numel() * p.element_size() for n, p in self._spec.optimized}
+        owned = set(partition_by_size(sizes, self._coord.world_size)[self._coord.rank])
+        if self._coord.rank == 0:
+            owned |= all_names - set(sizes)
+        return owned
 
     def _remember_buffers(self) -> None:
         self._buffer_last = {s.name: s.get().detach().clone() for s in self._spec.buffers}
@@ -216,20 +286,21 @@ class LowDiffOptimizer:
         """Copy the full state off the live tensors (the snapshot phase); persisting happens in background."""
         sd = self.inner.state_dict()
         order = [n for n, _ in self._spec.optimized]
+        owned = self._owned
         opt_state = {order[i]: {k: _cpu_copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                     for i, st in sd["state"].items()}
+                     for i, st in sd["state"].items() if order[i] in owned}
         groups = []
         for names, g in zip(self._spec.manifest.param_groups, self.inner.param_groups):
             groups.append(_encode_group(g) | {"params": names})
         return SnapshotState(
             step=step,
-            params={n: _cpu_copy(p) for n, p in self._spec.params.items()},
-            buffers={s.name: _cpu_copy(s.get()) for s in self._spec.buffers},
+            params={n: _cpu_copy(p) for n, p in self._spec.params.items() if n in owned},
+            buffers={s.name: _cpu_copy(s.get()) for s in self._spec.buffers} if self._leader else {},
             optimizer_state=opt_state,
             param_groups=groups,
             compressor_name=self.compressor.name,
             compressor_state={n: {k: _cpu_copy(v) for k, v in st.items()}
-                              for n, st in self.compressor.state_dict().items()},
+                              for n, st in self.compressor.state_dict().items() if n in owned},
         )
 
 

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
 Payload = dict[str, torch.Tensor]
+
+
+class Comm(Protocol):
+    """The collectives a compressor needs in data-parallel training (lowdiff.distributed provides one)."""
+
+    world_size: int
+
+    def allreduce_sum_(self, tensor: torch.Tensor) -> None: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 class Compressor(ABC):
@@ -18,8 +29,11 @@ class Compressor(ABC):
     name: str
 
     @abstractmethod
-    def compress(self, fqn: str, grad: torch.Tensor) -> Payload:
-        """Compress ``grad`` of parameter ``fqn`` (adds and updates that parameter's residual)."""
+    def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
+        """Compress ``grad`` of parameter ``fqn`` (adds and updates that parameter's residual).
+
+        With ``comm`` the payload is the AGGREGATED one, identical on every rank: what all ranks consume
+        (its decode, averaged over ranks) and what the log stores. ``grad`` is read, never written."""
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter memory, keyed by parameter name; saved in every full snapshot."""

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from lowdiff.compressors.base import Compressor, Payload
+from lowdiff.compressors.base import Comm, Compressor, Payload
 
 
 class IdentityCompressor(Compressor):
     name = "none"
 
-    def compress(self, fqn: str, grad: torch.Tensor) -> Payload:
-        # The payload aliases the live gradient; the caller copies it off the device before it can change.
-        return {"full": grad}
+    def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
+        if comm is None or comm.world_size == 1:
+            # The payload aliases the live gradient; the caller copies it off the device before it can change.
+            return {"full": grad}
+        full = grad.detach().clone()
+        comm.allreduce_sum_(full)
+        full.div_(comm.world_size)
+        return {"full": full}

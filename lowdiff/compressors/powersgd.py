@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-from lowdiff.compressors.base import Compressor, Payload
+from lowdiff.compressors.base import Comm, Compressor, Payload
 from lowdiff.errors import CorruptFileError
 
 
@@ -53,10 +53,15 @@ class PowerSGDCompressor(Compressor):
         gen = torch.Generator().manual_seed(zlib.crc32(fqn.encode()))
         return torch.randn(m, r, generator=gen).to(device=like.device, dtype=like.dtype)
 
-    def compress(self, fqn: str, grad: torch.Tensor) -> Payload:
+    def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
+        world = 1 if comm is None else comm.world_size
         dims = factor_shapes(grad.shape, self.rank)
         if dims is None:
-            return {"full": grad.detach().clone()}
+            full = grad.detach().clone()
+            if comm is not None and world > 1:
+                comm.allreduce_sum_(full)
+                full.div_(world)
+            return {"full": full}
         n, m, r = dims
         residual = self._residual.get(fqn) if self.error_feedback else None
         matrix = grad.reshape(n, m)
@@ -66,8 +71,15 @@ class PowerSGDCompressor(Compressor):
         if q is None or q.shape != (m, r):
             q = self.initial_q(fqn, m, r, matrix)
         p = matrix @ q
+        if comm is not None and world > 1:
+            comm.allreduce_sum_(p)
         orthogonalize(p)
         q = matrix.T @ p
+        if comm is not None and world > 1:
+            # As in PyTorch's hook: the averaged approximation is P (sum of M_i Q)^T / N; dividing Q keeps
+            # decode() a plain product.
+            comm.allreduce_sum_(q)
+            q.div_(world)
         self._q[fqn] = q.clone()
         if self.error_feedback:
             self._residual[fqn] = matrix - decode(p, q, (n, m))

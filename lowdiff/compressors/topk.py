@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from lowdiff.compressors.base import Compressor, Payload
+from lowdiff.compressors.base import Comm, Compressor, Payload
 from lowdiff.errors import CorruptFileError
 
 # Below this many elements torch.topk is already cheap.
@@ -51,7 +51,7 @@ class TopKCompressor(Compressor):
         self._residual: dict[str, torch.Tensor] = {}
         self._generator: dict[str, torch.Generator] = {}
 
-    def compress(self, fqn: str, grad: torch.Tensor) -> Payload:
+    def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
         flat = grad.reshape(-1)
         residual = self._residual.get(fqn) if self.error_feedback else None
         acc = flat + residual if residual is not None else flat.clone()
@@ -65,13 +65,29 @@ class TopKCompressor(Compressor):
         if self.error_feedback:
             acc[idx] = 0  # acc becomes what this step dropped
             self._residual[fqn] = acc
-        return {"values": values, "indices": idx.to(torch.int32)}
+        if comm is None or comm.world_size == 1:
+            return {"values": values, "indices": idx.to(torch.int32)}
+        return merge_gathered(comm.all_gather(values), comm.all_gather(idx.to(torch.int32)), flat.numel(),
+                              comm.world_size)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {fqn: {"residual": r} for fqn, r in self._residual.items()}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         self._residual = {fqn: s["residual"].clone().reshape(-1) for fqn, s in state.items() if "residual" in s}
+
+
+def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], numel: int,
+                   world_size: int) -> Payload:
+    """Coalesce every rank's selection into one payload: the sum over ranks (added in rank order, so every
+    rank gets the same bits) divided by the world size, at the sorted union of the indices. At most
+    world_size x k entries, fewer where ranks chose the same index."""
+    dense = torch.zeros(numel, dtype=values[0].dtype, device=values[0].device)
+    for v, i in zip(values, indices):
+        dense.index_add_(0, i.long(), v)  # indices within one rank are unique: no atomics race on GPU
+    dense.div_(world_size)
+    union = torch.unique(torch.cat(indices).long())  # sorted
+    return {"values": dense[union], "indices": union.to(torch.int32)}
 
 
 def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:

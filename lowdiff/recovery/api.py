@@ -21,8 +21,10 @@ from lowdiff.recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
+from lowdiff.storage.format import DTYPES
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
+from lowdiff.storage.sharding import partition_by_size
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,10 @@ class Recovered:
     """Compressor memory at ``step``; complete only when ``compressor_state_exact`` (a snapshot step)."""
     compressor_state_exact: bool
     report: RecoveryReport
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RNG state right after ``step`` by source name (``lowdiff.rng.restore(rec.rng)``); empty if not logged."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data positions after ``step`` by the name given to ``opt.track`` (``{"epoch", "seed", "offset"}``)."""
 
 
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
@@ -146,14 +152,9 @@ def _worker(*args: Any) -> PartitionResult:
 
 
 def partition_by_bytes(manifest: Manifest, names: list[str], workers: int) -> list[list[str]]:
-    """Greedy largest-first assignment of parameters to ``workers`` bins balanced by element count."""
-    bins: list[list[str]] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for n in sorted(names, key=lambda n: -manifest.param(n).numel):
-        i = load.index(min(load))
-        bins[i].append(n)
-        load[i] += max(manifest.param(n).numel, 1)
-    return [b for b in bins if b]
+    """Replay partitions balanced by tensor size (non-empty ones only)."""
+    sizes = {n: manifest.param(n).numel * DTYPES[manifest.param(n).dtype].itemsize for n in names}
+    return [b for b in partition_by_size(sizes, workers) if b]
 
 
 def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
@@ -181,4 +182,4 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
         comp = {n: {"q": st["q"]} for n, st in r.compressor_state.items() if "q" in st}
         comp.update({n: {"q": q} for n, q in r.last_q.items()})
     return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
-                     compressor_state_exact=exact, report=report)
+                     compressor_state_exact=exact, report=report, rng=r.rng, data=r.data)

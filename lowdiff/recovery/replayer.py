@@ -72,6 +72,10 @@ class PartitionResult:
     last_q: dict[str, torch.Tensor]
     """PowerSGD: the newest logged Q per parameter (the warm start a resumed run continues from)."""
     snapshot_extra: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RNG state at the target step (partition with buffers only)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data positions at the target step (partition with buffers only)."""
     bytes_read: int = 0
     steps: int = 0
     times: PhaseTimes = field(default_factory=PhaseTimes)
@@ -98,7 +102,8 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     last_q: dict[str, torch.Tensor] = {}
     result = PartitionResult(params={}, optimizer_state={}, groups=[], buffers=buffers,
                              compressor_state=snap.compressor_state, last_q=last_q,
-                             snapshot_extra=snap.extra)
+                             snapshot_extra=snap.extra, rng=dict(snap.rng),
+                             data=dict(snap.extra.get("data") or {}))
     for seg in segments:
         if seg.last <= snap.step:
             continue
@@ -133,6 +138,8 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
                     p.grad = grads.get(n)
                 opt.step()
             buffers.update(sd.buffers)
+            result.rng.update(sd.rng)
+            result.data = sd.data or result.data
             times.apply_s += time.perf_counter() - t1
             result.steps += 1
             if progress is not None:

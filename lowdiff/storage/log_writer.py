@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
+from lowdiff.storage.format import Shard
 from lowdiff.storage.retention import apply_retention
 from lowdiff.storage.segment import StepRecord, write_segment
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -44,12 +45,13 @@ _CLOSE = object()
 
 class BackgroundWriter:
     def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 keep_snapshots: int, durable_step: int) -> None:
+                 keep_snapshots: int, durable_step: int, shard: Shard = Shard()) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
         self.compressor = compressor
         self.keep_snapshots = keep_snapshots
+        self.shard = shard
         self.stats = WriterStats()
         self._durable_step = durable_step
         self._error: BaseException | None = None
@@ -137,7 +139,7 @@ class BackgroundWriter:
         batch, self._batch = self._batch, []
         t0 = time.perf_counter()
         try:
-            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor)
+            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor, self.shard)
         except BaseException as e:
             self._fail(e)
             return
@@ -150,7 +152,7 @@ class BackgroundWriter:
     def _write_snapshot(self, state: SnapshotState) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = write_snapshot(self.run_dir, state, self.codec)
+            nbytes = write_snapshot(self.run_dir, state, self.codec, self.shard)
         except BaseException as e:
             self._fail(e)
             return
@@ -163,5 +165,5 @@ class BackgroundWriter:
             self._batch = [r for r in self._batch if r.step > state.step]
         with self._lock:
             self._durable_step = max(self._durable_step, state.step)
-        if self.keep_snapshots:
+        if self.keep_snapshots and self.shard.index == 0:
             apply_retention(self.run_dir, self.keep_snapshots)

@@ -2,8 +2,9 @@
 
 Entry ``grad/<param>/<field>`` holds the field's bytes for every step of the segment back to back;
 ``counts[i]`` is its element count at the i-th step (-1: no gradient that step). ``buffer/<name>`` holds a
-buffer's value at the steps where it changed (-1: unchanged). Step scalars (the hyperparameters of every
-optimizer group, lr included) are in the file's metadata.
+buffer's value at the steps where it changed (-1: unchanged); ``rng/<source>`` likewise the RNG state after
+each step (always present at the segment's first step). Step scalars (the hyperparameters of every
+optimizer group, lr included) and data positions are in the file's metadata.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class StepRecord:
     """Payload per parameter name; parameters without a gradient this step are absent."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Persistent buffers whose value changed since the previous step."""
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RNG state right after this step (lowdiff.rng.capture): 1-D uint8 tensors by source name."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data positions after this step by tracked name (JSON, the same on every rank)."""
 
     @property
     def payload_nbytes(self) -> int:
@@ -89,9 +94,36 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
                 raw.append(tensor_bytes(t))
         entries.append(EntryIn(f"buffer/{bname}", raw, {"dtype": dtype_name(like.dtype),
                                                         "inner_shape": list(like.shape), "counts": counts}))
+    entries += _rng_entries(records)
     meta = {"first_step": first, "last_step": last, "compressor": compressor,
-            "steps": [{"step": r.step, "groups": r.groups} for r in records]}
+            "steps": [{"step": r.step, "groups": r.groups} | ({"data": r.data} if r.data else {})
+                      for r in records]}
     return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)
+
+
+def _rng_entries(records: list[StepRecord]) -> list[EntryIn]:
+    """``rng/<source>``: the state at the segment's first step and wherever it changed (-1: as the step
+    before), so every segment is readable on its own and unused generators cost one copy per segment."""
+    names: dict[str, None] = {}
+    for r in records:
+        names.update(dict.fromkeys(r.rng))
+    out = []
+    for name in names:
+        counts, raw, prev = [], [], None
+        for r in records:
+            t = r.rng.get(name)
+            if t is None or (prev is not None and torch.equal(prev, t)):
+                counts.append(-1)
+            else:
+                counts.append(t.numel())
+                raw.append(tensor_bytes(t))
+            prev = t if t is not None else prev
+        out.append(EntryIn(f"rng/{name}", raw, {"dtype": "uint8", "inner_shape": [-1], "counts": counts}))
+    return out
+
+
+# An RNG state is a few KB (torch CPU: 5056 bytes); anything larger in a file is damage.
+RNG_MAX_NBYTES = 1 << 16
 
 
 @dataclass
@@ -102,6 +134,10 @@ class StepData:
     groups: list[dict[str, Any]]
     grads: dict[str, dict[str, torch.Tensor]]
     buffers: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RNG state after this step (read with buffers; carried forward within the segment)."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data positions after this step."""
 
 
 class SegmentReader:
@@ -232,7 +268,26 @@ class SegmentReader:
                 for sd, t in zip(out, col):
                     if t is not None:
                         sd.buffers[bname] = t
+            self._read_rng_and_data(out)
         return out
+
+    def _read_rng_and_data(self, out: list[StepData]) -> None:
+        for name in self._owner:
+            kind, _, source = name.partition("/")
+            if kind != "rng":
+                continue
+            if self._owner[name].entries[name].get("dtype") != "uint8":
+                raise CorruptFileError(f"{self.path}: RNG state {source!r} is not uint8")
+            last = None
+            for sd, t in zip(out, self.read_column(name, max_numel=RNG_MAX_NBYTES)):
+                last = t if t is not None else last
+                if last is not None:
+                    sd.rng[source] = last
+        for sd, s in zip(out, self.steps):
+            data = s.get("data", {})
+            if not isinstance(data, dict):
+                raise CorruptFileError(f"{self.path}: step {sd.step} has an invalid data position {data!r}")
+            sd.data = data
 
     def close(self) -> None:
         for r in self._readers:

@@ -24,6 +24,7 @@ from lowdiff.storage.format import (
     tensor_from_bytes,
 )
 from lowdiff.storage.manifest import Manifest
+from lowdiff.storage.segment import RNG_MAX_NBYTES
 
 KIND = "snapshot"
 
@@ -42,6 +43,9 @@ class SnapshotState:
     compressor_name: str = "none"
     compressor_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    """JSON: e.g. "data" (data positions by tracked name), "compacted"."""
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = Shard()) -> int:
@@ -66,6 +70,8 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
     for n, st in state.compressor_state.items():
         for k, v in st.items():
             add(f"compressor/{n}/{k}", v)
+    for n, t in state.rng.items():
+        add(f"rng/{n}", t)
     meta = {"step": state.step, "param_groups": state.param_groups, "optimizer_scalars": scalars,
             "compressor": state.compressor_name, "extra": state.extra}
     path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
@@ -127,6 +133,11 @@ def _read_one(path: Path, manifest: Manifest, only: set[str] | None, with_buffer
                     raise CorruptFileError(f"{path}: buffer {rest!r} is not in the manifest")
                 spec = manifest.buffer(rest)
                 state.buffers[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
+            elif kind == "rng":
+                if with_buffers:
+                    state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
+                    if state.rng[rest].dtype != torch.uint8 or state.rng[rest].dim() != 1:
+                        raise CorruptFileError(f"{path}: RNG state {rest!r} is not a 1-D uint8 tensor")
             elif kind in ("optim", "compressor"):
                 pname, _, key = rest.rpartition("/")
                 if only is not None and pname not in only:

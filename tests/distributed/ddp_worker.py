@@ -1,0 +1,73 @@
+"""One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
+
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG]
+Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import lowdiff
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5),
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("compressor")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("ref_out")
+    ap.add_argument("--die-at", type=int, default=0, help="rank 1 exits abruptly at this step")
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
+    rank = dist.get_rank()
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = lowdiff.wrap(inner, ddp, {
+        "run_dir": args.run_dir,
+        "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
+        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
+    })
+    start = opt.resume() if args.resume else 0
+    refs = []
+    torch.manual_seed(99 + rank + 1000 * start)
+    for step in range(start + 1, args.steps + 1):
+        if rank == 1 and step == args.die_at:
+            os._exit(17)
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            refs.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict())))
+    opt.close()
+    if rank == 0:
+        torch.save(refs, args.ref_out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
