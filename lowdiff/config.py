@@ -20,7 +20,7 @@ import yaml
 from lowdiff.errors import ConfigError
 
 COMPRESSORS = ("topk", "powersgd", "none")
-CODECS = ("none", "lz4", "zstd")
+CODECS = ("none", "lz4", "zstd", "shuffle-lz4", "shuffle-zstd")
 ON_WRITE_ERROR = ("raise", "warn")
 
 
@@ -89,7 +89,8 @@ class LogConfig:
     batch_steps: int = 16
     """Steps per segment file; a crash loses at most this many unflushed steps."""
     codec: str = "lz4"
-    """Lossless compression of payload bytes: none, lz4 or zstd."""
+    """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle
+    first: pays for full float gradients, compressor none)."""
     queue_depth: int = 4
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from lowdiff.errors import CheckpointWriteError, CorruptFileError
 from lowdiff.storage import atomic, codecs
-from lowdiff.storage.format import FORMAT_NAME, FORMAT_VERSION
+from lowdiff.storage.format import DTYPES, FORMAT_NAME, FORMAT_VERSION
 
 
 @dataclass
@@ -56,7 +56,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
             encoded = [memoryview(c).cast("B") for c in e.raw]
         else:
             joined = e.raw[0] if len(e.raw) == 1 else b"".join(memoryview(c).cast("B") for c in e.raw)
-            encoded = [codecs.encode(codec, joined)]
+            encoded = [codecs.encode(codec, joined, _itemsize(e.fields.get("dtype")))]
         nbytes = sum(memoryview(c).nbytes for c in encoded)
         descriptors.append({**e.fields, "name": e.name, "codec": codec, "offset": offset, "nbytes": nbytes,
                             "raw_nbytes": raw_nbytes, "crc32": _crc32_chunks(encoded)})
@@ -87,6 +87,10 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
         atomic.remove_quietly(tmp)
         raise
     return offset + len(index)
+
+
+def _itemsize(dtype: object) -> int:
+    return DTYPES[dtype].itemsize if isinstance(dtype, str) and dtype in DTYPES else 1
 
 
 def _allocate_data(f: h5py.File, nbytes: int) -> int:
@@ -176,7 +180,7 @@ class ContainerReader:
             raise CorruptFileError(f"{where}: read failed ({e})") from e
         if zlib.crc32(data) != d["crc32"]:
             raise CorruptFileError(f"{where}: checksum mismatch (file damaged)")
-        return codecs.decode(str(d.get("codec")), data, expected_raw_nbytes, where)
+        return codecs.decode(str(d.get("codec")), data, expected_raw_nbytes, where, _itemsize(d.get("dtype")))
 
     def close(self) -> None:
         self._file.close()
