@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 from lowdiff.config import Config
@@ -40,12 +41,12 @@ class Checkpointer:
         if removed:
             log.info("lowdiff: removed %d uncommitted file(s) left by an earlier crash", len(removed))
 
-    def start(self, durable_step: int) -> None:
+    def start(self, durable_step: int, shadow: Any = None) -> None:
         cfg = self.config
         self._writer = BackgroundWriter(self.run_dir, batch_steps=cfg.log.batch_steps, codec=cfg.log.codec,
                                         compressor=self.compressor_name, queue_depth=cfg.log.queue_depth,
                                         keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
-                                        shard=self.shard)
+                                        shard=self.shard, shadow=shadow)
 
     @property
     def stats(self) -> WriterStats:
@@ -64,7 +65,10 @@ class Checkpointer:
             return
         self._writer.submit_record(record)
         if self.wants_snapshot(record.step):
-            self._writer.submit_snapshot(capture())
+            if self._writer.shadow_ok:
+                self._writer.submit_shadow_snapshot(record.step)
+            else:
+                self._writer.submit_snapshot(capture())
 
     def snapshot_now(self, state: SnapshotState) -> None:
         assert self._writer is not None

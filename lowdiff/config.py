@@ -76,10 +76,14 @@ class SnapshotConfig:
     """Take a full snapshot every this many optimizer steps (step 0 is always snapshotted)."""
     keep: int = 0
     """Keep only the newest N snapshots and the log they need (0 keeps everything)."""
+    shadow: bool = False
+    """Write snapshots from a CPU replica the background writer keeps in step with the log, so the training
+    thread never copies its state for them. CPU training and compressor none only (see lowdiff/shadow.py)."""
 
     def __post_init__(self) -> None:
         _check_min_int("snapshot.every_steps", self.every_steps, 1)
         _check_min_int("snapshot.keep", self.keep, 0)
+        _check_type("snapshot.shadow", self.shadow, bool, "true or false")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +124,10 @@ class Config:
             raise ConfigError("config key 'run_dir' must be a non-empty path")
         _check_type("enabled", self.enabled, bool, "true or false")
         _check_choice("on_write_error", self.on_write_error, ON_WRITE_ERROR)
+        if self.snapshot.shadow and self.compressor.name != "none":
+            raise ConfigError("config key 'snapshot.shadow' requires 'compressor.name: none' (error-feedback "
+                              f"residuals of {self.compressor.name!r} are not in the log); got "
+                              f"{self.compressor.name!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

@@ -97,7 +97,7 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     params = {n: torch.nn.Parameter(snap.params[n].to(device), requires_grad=manifest.param(n).requires_grad)
               for n in wanted}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in snap.param_groups]
-    opt = _build_optimizer(manifest, snap, params, wanted, optimizer_class, device) if wanted else None
+    opt = build_optimizer(manifest, snap, params, wanted, optimizer_class, device) if wanted else None
     buffers = dict(snap.buffers)
     last_q: dict[str, torch.Tensor] = {}
     result = PartitionResult(params={}, optimizer_state={}, groups=[], buffers=buffers,
@@ -130,13 +130,7 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
             times.decode_s += t1 - t0
             groups = sd.groups
             if opt is not None:
-                for g_opt, g_log in zip(opt.param_groups, sd.groups):
-                    for k, v in decode_value(g_log, device).items():
-                        if k != "params":
-                            g_opt[k] = v
-                for n, p in params.items():
-                    p.grad = grads.get(n)
-                opt.step()
+                apply_step(opt, params, sd.groups, grads, device)
             buffers.update(sd.buffers)
             result.rng.update(sd.rng)
             result.data = sd.data or result.data
@@ -157,7 +151,21 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     return result
 
 
-def _build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, torch.nn.Parameter],
+def apply_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], groups: list[dict[str, Any]],
+               grads: dict[str, torch.Tensor], device: str) -> None:
+    """Redo one optimizer step: the logged hyperparameters of every group, the decoded gradients (None for
+    parameters without one that step), then the optimizer's own ``step()``. Shared by recovery and the shadow
+    replica, so both follow training the same way."""
+    for g_opt, g_log in zip(opt.param_groups, groups):
+        for k, v in decode_value(g_log, device).items():
+            if k != "params":
+                g_opt[k] = v
+    for n, p in params.items():
+        p.grad = grads.get(n)
+    opt.step()
+
+
+def build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, torch.nn.Parameter],
                      wanted: list[str], optimizer_class: type | None, device: str) -> torch.optim.Optimizer:
     cls = resolve_optimizer_class(manifest.optimizer_class, optimizer_class)
     # Pass only the defaults the constructor takes (AdamW records `decoupled_weight_decay` but does not take

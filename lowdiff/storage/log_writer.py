@@ -40,18 +40,27 @@ class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class ShadowSnapshot:
+    """Write a snapshot of the shadow replica, which has applied every record up to ``step``."""
+
+    step: int
+
+
 _CLOSE = object()
 
 
 class BackgroundWriter:
     def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 keep_snapshots: int, durable_step: int, shard: Shard = Shard()) -> None:
+                 keep_snapshots: int, durable_step: int, shard: Shard = Shard(), shadow: Any = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
         self.compressor = compressor
         self.keep_snapshots = keep_snapshots
         self.shard = shard
+        self.shadow = shadow
+        self.shadow_ok = shadow is not None
         self.stats = WriterStats()
         self._durable_step = durable_step
         self._error: BaseException | None = None
@@ -81,6 +90,9 @@ class BackgroundWriter:
 
     def submit_snapshot(self, state: SnapshotState) -> None:
         self._put(state)
+
+    def submit_shadow_snapshot(self, step: int) -> None:
+        self._put(ShadowSnapshot(step))
 
     def flush(self) -> int:
         """Write the partial batch and wait until everything submitted is committed (or failed)."""
@@ -114,6 +126,8 @@ class BackgroundWriter:
                 self._write_batch()
                 item.done.set()
             elif isinstance(item, StepRecord):
+                if self.shadow_ok:
+                    self._apply_shadow(item)
                 if self._broken:
                     continue
                 self._batch.append(item)
@@ -121,6 +135,18 @@ class BackgroundWriter:
                     self._write_batch()
             elif isinstance(item, SnapshotState):
                 self._write_snapshot(item)
+            elif isinstance(item, ShadowSnapshot):
+                if self.shadow_ok and self.shadow.step == item.step:
+                    self._write_snapshot(self.shadow.snapshot())
+
+    def _apply_shadow(self, record: StepRecord) -> None:
+        try:
+            self.shadow.apply(record)
+        except BaseException as e:
+            # From here on snapshots are captured on the training thread again (Checkpointer checks shadow_ok).
+            self.shadow_ok = False
+            log.error("lowdiff: shadow replica failed at step %d (%s); snapshots fall back to the training "
+                      "thread", record.step, e)
 
     def _fail(self, e: BaseException) -> None:
         log.error("lowdiff background write failed: %s", e)
