@@ -21,7 +21,11 @@ class StepNotAvailableError(LowDiffError, LookupError):
 
 
 class CorruptFileError(LowDiffError, ValueError):
-    """A file in the run directory fails a checksum, is truncated, or is structurally invalid."""
+    """A file in the run directory fails a checksum, is truncated, or is structurally invalid.
+
+    ``path`` names the damaged file when one file is to blame (recovery then steps around it)."""
+
+    path: object = None
 
 
 class ModelMismatchError(LowDiffError, ValueError):

@@ -85,24 +85,33 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     t_start = time.perf_counter()
     root = Path(run_dir)
     manifest = read_manifest(root)
-    target, chains = candidates_for(root, step)
     skipped: list[str] = []
-    for chain in chains:
+    damaged: set[Path] = set()
+    while True:
+        # Each damaged file found is treated as missing and the plan redone: an older snapshot can stand in
+        # for a damaged one; a damaged segment moves the latest durable step back to the step before it.
+        try:
+            target, chains = candidates_for(root, step, frozenset(damaged))
+        except StepNotAvailableError as e:
+            if skipped:
+                raise CorruptFileError(f"{root}: no undamaged snapshot and log reach step "
+                                       f"{'the latest' if step is None else step}: {'; '.join(skipped)}") from e
+            raise
+        chain = chains[0]
         try:
             result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress)
         except CorruptFileError as e:
-            if chain is chains[-1]:
-                if skipped:
-                    raise CorruptFileError(f"{e}; also skipped: {'; '.join(skipped)}") from e
+            bad = e.path if isinstance(e.path, Path) else None
+            if bad is None or bad in damaged:
                 raise
-            log.warning("recovery: %s; trying an older snapshot", e)
+            log.warning("recovery: %s; stepping around it", e)
             skipped.append(str(e))
+            damaged.add(bad)
             continue
         report = RecoveryReport(step=target, snapshot_step=chain.snapshot_step, steps_replayed=result.steps,
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped)
         return _assemble(manifest, result, target, chain, report)
-    raise StepNotAvailableError(f"{root}: step {target} is not recoverable")  # pragma: no cover
 
 
 def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | None, device: str,

@@ -119,9 +119,15 @@ class ContainerReader:
         except FileNotFoundError:
             raise
         except OSError as e:
-            raise CorruptFileError(f"{path}: not a readable HDF5 file ({e}); it may be truncated or damaged") from e
+            err = CorruptFileError(f"{path}: not a readable HDF5 file ({e}); it may be truncated or damaged")
+            err.path = path
+            raise err from e
         try:
             self._load(expected_kind)
+        except CorruptFileError as e:
+            self._file.close()
+            e.path = e.path or path
+            raise
         except BaseException:
             self._file.close()
             raise
@@ -165,6 +171,13 @@ class ContainerReader:
             self.entries[d["name"]] = d
 
     def read(self, name: str, expected_raw_nbytes: int) -> bytes | memoryview:
+        try:
+            return self._read(name, expected_raw_nbytes)
+        except CorruptFileError as e:
+            e.path = e.path or self.path
+            raise
+
+    def _read(self, name: str, expected_raw_nbytes: int) -> bytes | memoryview:
         """Verified, decompressed bytes of one entry. ``expected_raw_nbytes`` comes from the caller's own
         dtype x shape computation, so a hostile descriptor cannot make us allocate more."""
         d = self.entries.get(name)

@@ -29,11 +29,14 @@ class Chain:
         return [s for s in self.segments if s.first <= target]
 
 
-def chains(run_dir: Path) -> list[Chain]:
-    """One chain per committed snapshot, newest snapshot first."""
-    segments = [Segment(f, la, p) for f, la, p in list_segments(run_dir)]
+def chains(run_dir: Path, exclude: frozenset[Path] = frozenset()) -> list[Chain]:
+    """One chain per committed snapshot, newest snapshot first; files in ``exclude`` (known damaged) are
+    treated as missing."""
+    segments = [Segment(f, la, p) for f, la, p in list_segments(run_dir) if not set(p.paths) & exclude]
     out = []
     for step, files in sorted(list_snapshots(run_dir).items(), reverse=True):
+        if set(files.paths) & exclude:
+            continue
         chain: list[Segment] = []
         end = step
         for seg in segments:
@@ -50,9 +53,10 @@ def latest_step(run_dir: Path) -> int | None:
     return max((c.end for c in cs), default=None)
 
 
-def candidates_for(run_dir: Path, target: int | None) -> tuple[int, list[Chain]]:
+def candidates_for(run_dir: Path, target: int | None, exclude: frozenset[Path] = frozenset()
+                   ) -> tuple[int, list[Chain]]:
     """(target, chains able to reach it, newest snapshot first); raises if none can."""
-    cs = chains(run_dir)
+    cs = chains(run_dir, exclude)
     if not cs:
         raise StepNotAvailableError(f"{run_dir}: no committed snapshot; nothing to recover")
     if target is None:
