@@ -6,6 +6,8 @@
 >>> rec = lowdiff.recover("runs/a")                                                      # doctest: +SKIP
 """
 
+from lowdiff import data as data  # lowdiff.data.ResumableLoader & co. (by module path)
+from lowdiff import rng as rng  # lowdiff.rng.capture / restore
 from lowdiff.config import CompressorConfig, Config, LogConfig, SnapshotConfig
 from lowdiff.errors import (
     CheckpointWriteError,

@@ -11,19 +11,20 @@ from typing import Any
 
 import torch
 
+from lowdiff import rng as rng_state
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
 from lowdiff.compressors import decode_payload, make_compressor
 from lowdiff.config import Config, load_config
+from lowdiff.data import positions_of, restore_positions
 from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
-from lowdiff import rng as rng_state
-from lowdiff.data import positions_of, restore_positions
 from lowdiff.recovery import recover
 from lowdiff.storage.atomic import fsync_dir
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
 from lowdiff.storage.segment import StepRecord
+from lowdiff.shadow import ShadowReplica
 from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
@@ -108,7 +109,8 @@ class LowDiffOptimizer:
     def track(self, obj: Any, name: str = "data") -> Any:
         """Log ``obj.state_dict()`` (a small JSON dict, e.g. a :class:`lowdiff.data.ResumableLoader`'s
         ``{"epoch", "seed", "offset"}``) with every step, and restore it with ``load_state_dict`` in
-        :meth:`resume`. Call before ``resume()``; returns ``obj``."""
+        :meth:`resume`. Call before ``resume()``; returns ``obj``. Under DDP every rank must track the same
+        names with the same state (lowdiff.data's distributed sampler counts samples of all ranks)."""
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"opt.track() needs an object with state_dict() and load_state_dict(), got "
                             f"{type(obj).__name__}")
@@ -136,12 +138,13 @@ class LowDiffOptimizer:
             return
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
         self._remember_buffers()
-        write_snapshot(run_dir, self._capture(0), self.config.log.codec, ckpt.shard)
+        state0 = self._capture(0)
+        write_snapshot(run_dir, state0, self.config.log.codec, ckpt.shard)
         self._coord.barrier("snapshot 0")
         if self._leader:
             write_manifest(run_dir, self._spec.manifest)
         self._coord.barrier("manifest")
-        ckpt.start(durable_step=0)
+        ckpt.start(durable_step=0, shadow=self._make_shadow(state0))
 
     def resume(self) -> int:
         """Restore model, optimizer and compressor to the run's latest durable step and return it (0 when the
@@ -171,7 +174,8 @@ class LowDiffOptimizer:
         self._step = rec.step
         self._remember_buffers()
         self._needs_resume = False
-        self._checkpointer.start(durable_step=rec.step)
+        shadow = self._make_shadow(self._capture(rec.step)) if self.config.snapshot.shadow else None
+        self._checkpointer.start(durable_step=rec.step, shadow=shadow)
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
         restore_positions(self._tracked, rec.data, rec.step)
         rng_state.restore_at_resume(rec.rng, self._rng_rank, rec.step)
@@ -249,11 +253,24 @@ class LowDiffOptimizer:
                 grads={n: {f: _cpu_copy(t) if copy_payload else t.detach().cpu() for f, t in pl.items()}
                        for n, pl in grads.items()},
                 buffers=self._changed_buffers() if self._leader else {},
+                # Captured after the inner step: what the next forward (step + 1) starts from.
+                rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
+                data=positions_of(self._tracked),
             )
             self._checkpointer.on_step(record, lambda: self._capture(step))
         return out
 
     # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _make_shadow(self, state: SnapshotState) -> ShadowReplica | None:
+        if not self.config.snapshot.shadow:
+            return None
+        if self._coord.world_size > 1:
+            raise UnsupportedError("snapshot.shadow is not supported with DDP yet; use the default snapshots")
+        if any(p.device.type != "cpu" for p in self._spec.params.values()):
+            raise UnsupportedError("snapshot.shadow is bit-exact only when training on the CPU (a CPU replica of "
+                                   "GPU training drifts in the last bits); turn it off on GPUs")
+        return ShadowReplica(self._spec.manifest, state, type(self.inner))
 
     def _owned_names(self) -> set[str]:
         """Parameter names this rank persists: a byte-balanced share of the optimized ones; rank 0 also
@@ -301,6 +318,8 @@ class LowDiffOptimizer:
             compressor_name=self.compressor.name,
             compressor_state={n: {k: _cpu_copy(v) for k, v in st.items()}
                               for n, st in self.compressor.state_dict().items() if n in owned},
+            rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
+            extra={"data": positions_of(self._tracked)},
         )
 
 

@@ -25,6 +25,7 @@ import logging
 import random
 import struct
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -73,7 +74,8 @@ def _bytes_tensor(buf: bytes) -> torch.Tensor:
 
 
 def _numpy_state() -> torch.Tensor:
-    name, key, pos, has_gauss, cached = np.random.get_state()
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+    name, key, pos, has_gauss, cached = legacy
     if name != "MT19937" or key.shape != (_MT_WORDS,):
         raise UnsupportedError(f"numpy's global generator is {name}; lowdiff records MT19937 only")
     return _bytes_tensor(key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached)))
@@ -162,7 +164,12 @@ def nbytes(state: Mapping[str, torch.Tensor]) -> int:
 
 
 def restore_at_resume(state: Mapping[str, torch.Tensor], rank: int | None, step: int) -> None:
-    """What ``opt.resume()`` does: restore this rank's RNG state logged at ``step``, or say why not."""
+    """What ``opt.resume()`` does: restore this rank's RNG state logged at ``step``, or say why not.
+
+    Not at step 0: no step has drawn anything yet, so the fresh process is already where the run was (the
+    state snapshot 0 recorded at ``wrap()`` would undo draws made between ``wrap()`` and ``resume()``)."""
+    if step == 0:
+        return
     if not state:
         log.warning("lowdiff: no RNG state was logged at step %d (a run from an older lowdiff, or a compacted "
                     "snapshot); random draws after the resume differ from the uninterrupted run", step)

@@ -63,5 +63,6 @@ def snapshot_from_recovered(manifest: Manifest, rec: Recovered) -> SnapshotState
         compressor_name=str(manifest.config.get("compressor", {}).get("name", "none")),
         compressor_state=rec.compressor_state,
         # Error-feedback residuals cannot be rebuilt from the log: a resume from this snapshot restarts them.
-        extra={"compacted": True, "compressor_state_exact": rec.compressor_state_exact},
+        extra={"compacted": True, "compressor_state_exact": rec.compressor_state_exact, "data": rec.data},
+        rng=dict(rec.rng),
     )

@@ -5,31 +5,55 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import threading
 from pathlib import Path
 
 from lowdiff.errors import RunLockedError
 from lowdiff.storage.format import LOCK_FILE
 
+# POSIX record locks belong to a process, so a second lock from the same process would succeed silently:
+# this registry refuses it.
+_held: set[str] = set()
+_held_guard = threading.Lock()
+
 
 class WriterLock:
-    """``flock`` on RUN_DIR/writer.lock: the kernel drops it when the holder dies, so a stale lock from a
-    crashed trainer is simply taken over; a live holder is named in the error."""
+    """A POSIX record lock (``lockf``) on RUN_DIR/writer.lock. The kernel drops it when the holder dies, so a
+    crashed trainer's lock is simply taken over, and, unlike ``flock``, forked children (DataLoader workers
+    that outlive a killed trainer for a few seconds) do not inherit it. A live holder is named in the error."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._key = os.path.realpath(self.path)
+        with _held_guard:
+            if self._key in _held:
+                raise RunLockedError(f"{run_dir} is already open for writing in this process (pid {os.getpid()}); "
+                                     "close() the other wrapper first or use another run_dir")
+            _held.add(self._key)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except BaseException:
+            self._forget()
+            raise
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
+            self._fd = -1
+            self._forget()
             raise RunLockedError(f"{run_dir} is in use by another trainer ({holder}); stop it or use another "
                                  "run_dir") from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
+    def _forget(self) -> None:
+        with _held_guard:
+            _held.discard(self._key)
+
     def release(self) -> None:
         if self._fd >= 0:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
+            self._forget()
