@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from lowdiff.errors import CorruptFileError, UnsupportedError
 from lowdiff.storage.format import DTYPES, FileSet, decode_value
 from lowdiff.storage.log_reader import Segment
 from lowdiff.storage.manifest import Manifest
-from lowdiff.storage.segment import SegmentReader
+from lowdiff.storage.segment import SegmentReader, StepData
 from lowdiff.storage.snapshot import SnapshotState, read_snapshot
 
 # Optimizers whose update of a tensor reads only that tensor's gradient and state, plus group scalars.
@@ -96,48 +97,31 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     wanted = [n for n in optimized if names is None or n in set(names)]
     params = {n: torch.nn.Parameter(snap.params[n].to(device), requires_grad=manifest.param(n).requires_grad)
               for n in wanted}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in snap.param_groups]
     opt = build_optimizer(manifest, snap, params, wanted, optimizer_class, device) if wanted else None
     buffers = dict(snap.buffers)
     last_q: dict[str, torch.Tensor] = {}
-    result = PartitionResult(params={}, optimizer_state={}, groups=[], buffers=buffers,
+    # result.groups holds the encoded hyperparameters of the newest applied step until the end.
+    result = PartitionResult(params={}, optimizer_state={}, groups=list(snap.param_groups), buffers=buffers,
                              compressor_state=snap.compressor_state, last_q=last_q,
                              snapshot_extra=snap.extra, rng=dict(snap.rng),
                              data=dict(snap.extra.get("data") or {}))
-    for seg in segments:
-        if seg.last <= snap.step:
-            continue
-        t0 = time.perf_counter()
+    def read(seg: Segment) -> tuple[int, list[StepData]]:
         with SegmentReader(seg.files, manifest, seg.first, seg.last) as reader:
-            result.bytes_read += reader.nbytes
-            steps = reader.read_steps(wanted, with_buffers=with_buffers)
-        times.read_s += time.perf_counter() - t0
-        for sd in steps:
-            if sd.step <= snap.step or sd.step > target:
-                continue
+            return reader.nbytes, reader.read_steps(wanted, with_buffers=with_buffers)
+
+    pending = [seg for seg in segments if seg.last > snap.step]
+    # One segment is read (checksums, decompression) ahead while this one is applied; read_s counts only the
+    # time apply had to wait for it.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-prefetch") as pool:
+        ahead = pool.submit(read, pending[0]) if pending else None
+        for i, seg in enumerate(pending):
+            assert ahead is not None
             t0 = time.perf_counter()
-            grads = {}
-            for n, payload in sd.grads.items():
-                spec = manifest.param(n)
-                g = decode_payload({k: v.to(device) for k, v in payload.items()}, spec.shape)
-                if g.dtype != DTYPES[spec.dtype]:
-                    raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
-                                           f"parameter is {spec.dtype}")
-                grads[n] = g
-                if "q" in payload:
-                    last_q[n] = payload["q"]
-            t1 = time.perf_counter()
-            times.decode_s += t1 - t0
-            groups = sd.groups
-            if opt is not None:
-                apply_step(opt, params, sd.groups, grads, device)
-            buffers.update(sd.buffers)
-            result.rng.update(sd.rng)
-            result.data = sd.data or result.data
-            times.apply_s += time.perf_counter() - t1
-            result.steps += 1
-            if progress is not None:
-                progress(1)
+            nbytes, steps = ahead.result()
+            times.read_s += time.perf_counter() - t0
+            result.bytes_read += nbytes
+            ahead = pool.submit(read, pending[i + 1]) if i + 1 < len(pending) else None
+            _replay_steps(steps, seg, snap.step, target, manifest, device, opt, params, result, times, progress)
     for p in params.values():
         p.grad = None
     result.params = {n: p.detach().cpu() for n, p in params.items()}
@@ -146,9 +130,40 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
         state = opt.state_dict()["state"]
         result.optimizer_state = {wanted[i]: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                               for k, v in st.items()} for i, st in state.items()}
-    result.groups = [{k: v for k, v in decode_value(g).items() if k != "params"} for g in groups]
+    result.groups = [{k: v for k, v in decode_value(g).items() if k != "params"} for g in result.groups]
     result.times = times
     return result
+
+
+def _replay_steps(steps: list[StepData], seg: Segment, snap_step: int, target: int, manifest: Manifest,
+                  device: str, opt: torch.optim.Optimizer | None, params: dict[str, torch.nn.Parameter],
+                  result: PartitionResult, times: PhaseTimes, progress: Any) -> None:
+    for sd in steps:
+        if sd.step <= snap_step or sd.step > target:
+            continue
+        t0 = time.perf_counter()
+        grads = {}
+        for n, payload in sd.grads.items():
+            spec = manifest.param(n)
+            g = decode_payload({k: v.to(device) for k, v in payload.items()}, spec.shape)
+            if g.dtype != DTYPES[spec.dtype]:
+                raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
+                                       f"parameter is {spec.dtype}")
+            grads[n] = g
+            if "q" in payload:
+                result.last_q[n] = payload["q"]
+        t1 = time.perf_counter()
+        times.decode_s += t1 - t0
+        result.groups = sd.groups
+        if opt is not None:
+            apply_step(opt, params, sd.groups, grads, device)
+        result.buffers.update(sd.buffers)
+        result.rng.update(sd.rng)
+        result.data = sd.data or result.data
+        times.apply_s += time.perf_counter() - t1
+        result.steps += 1
+        if progress is not None:
+            progress(1)
 
 
 def apply_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], groups: list[dict[str, Any]],
