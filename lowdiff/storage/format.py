@@ -182,6 +182,8 @@ def tensor_from_bytes(buf: bytes | bytearray | memoryview | np.ndarray, dtype: t
     if arr.size != numel * itemsize:
         raise CorruptFileError(f"{where}: holds {arr.size} bytes, expected {numel * itemsize} "
                                f"for {DTYPE_NAMES.get(dtype, dtype)} {tuple(shape)}")
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dtype)  # viewing 0 bytes as a wider dtype is refused
     t = torch.from_numpy(arr.copy())
     return t.view(dtype).reshape(tuple(shape))
 

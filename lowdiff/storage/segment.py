@@ -27,7 +27,6 @@ from lowdiff.storage.format import (
     dtype_name,
     parse_dtype,
     segment_name,
-    tensor_bytes,
     tensor_from_bytes,
 )
 from lowdiff.storage.manifest import Manifest
@@ -76,7 +75,7 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
                 counts.append(-1)
                 continue
             counts.append(t.numel())
-            raw.append(tensor_bytes(t))
+            raw.append(t)
             fmt = fmt or (dtype_name(t.dtype), [-1, *t.shape[1:]] if t.dim() >= 1 else [-1])
         assert fmt is not None
         entries.append(EntryIn(f"grad/{pname}/{fname}", raw, {"dtype": fmt[0], "inner_shape": fmt[1],
@@ -91,7 +90,7 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
             t = r.buffers.get(bname)
             counts.append(-1 if t is None else t.numel())
             if t is not None:
-                raw.append(tensor_bytes(t))
+                raw.append(t)
         entries.append(EntryIn(f"buffer/{bname}", raw, {"dtype": dtype_name(like.dtype),
                                                         "inner_shape": list(like.shape), "counts": counts}))
     entries += _rng_entries(records)
@@ -116,7 +115,7 @@ def _rng_entries(records: list[StepRecord]) -> list[EntryIn]:
                 counts.append(-1)
             else:
                 counts.append(t.numel())
-                raw.append(tensor_bytes(t))
+                raw.append(t)
             prev = t if t is not None else prev
         out.append(EntryIn(f"rng/{name}", raw, {"dtype": "uint8", "inner_shape": [-1], "counts": counts}))
     return out

@@ -20,7 +20,6 @@ from lowdiff.storage.format import (
     encode_value,
     parse_dtype,
     snapshot_name,
-    tensor_bytes,
     tensor_from_bytes,
 )
 from lowdiff.storage.manifest import Manifest
@@ -54,7 +53,7 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
     entries: list[EntryIn] = []
 
     def add(name: str, t: torch.Tensor) -> None:
-        entries.append(EntryIn(name, [tensor_bytes(t)], {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}))
+        entries.append(EntryIn(name, [t], {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}))
 
     scalars: dict[str, dict[str, Any]] = {}
     for n, t in state.params.items():
