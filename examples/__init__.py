@@ -1,0 +1,1 @@
+"""Examples for lowdiff; ``examples.tinygpt`` is also imported by the benchmarks (run from the repository root)."""

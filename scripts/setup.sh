@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: torch (only if none is importable), then lowdiff in editable mode with
+# its test extras, which also installs the `lowdiff-recover` and `lowdiff` console scripts.
+#
+#   bash scripts/setup.sh            # set up
+#   bash scripts/setup.sh --demo     # set up, then run examples/demo.py (any further arguments go to it)
+#
+# PYTHON selects the interpreter (default python3).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+
+run_demo=0
+if [[ "${1:-}" == "--demo" ]]; then
+  run_demo=1
+  shift
+fi
+
+# Never pull a second torch: an importable one (CPU or CUDA build, any version lowdiff supports) is kept.
+if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: torch $("$PYTHON" -c 'import torch; print(torch.__version__)') already installed"
+else
+  echo "setup: installing torch==2.13.0"
+  "$PYTHON" -m pip install "torch==2.13.0"
+fi
+
+"$PYTHON" -m pip install -e ".[test]"
+
+# pip may put console scripts in a directory that is not on PATH (e.g. ~/.local/bin for --user installs).
+if ! command -v lowdiff-recover >/dev/null 2>&1; then
+  echo "setup: note: lowdiff-recover is not on PATH; it is in $("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))') (examples/demo.py finds it there)"
+fi
+"$PYTHON" -c "import lowdiff, torch; print(f'setup: lowdiff {lowdiff.__version__} with torch {torch.__version__} ready')"
+
+if [[ "$run_demo" == 1 ]]; then
+  exec "$PYTHON" examples/demo.py "$@"
+fi
