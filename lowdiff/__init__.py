@@ -8,7 +8,7 @@
 
 from lowdiff import data as data  # lowdiff.data.ResumableLoader & co. (by module path)
 from lowdiff import rng as rng  # lowdiff.rng.capture / restore
-from lowdiff.config import CompressorConfig, Config, LogConfig, SnapshotConfig
+from lowdiff.config import CompressorConfig, Config, LogConfig, SnapshotConfig, TunerConfig
 from lowdiff.errors import (
     CheckpointWriteError,
     ConfigError,
@@ -26,7 +26,7 @@ from lowdiff.recovery import Recovered, RecoveryReport, recover
 __version__ = "0.1.0"
 
 __all__ = [
-    "wrap", "recover", "Config", "CompressorConfig", "SnapshotConfig", "LogConfig", "LowDiffOptimizer",
+    "wrap", "recover", "Config", "CompressorConfig", "SnapshotConfig", "LogConfig", "TunerConfig", "LowDiffOptimizer",
     "Recovered", "RecoveryReport", "LowDiffError", "ConfigError", "CorruptFileError", "CheckpointWriteError",
     "ModelMismatchError", "RunDirNotFoundError", "RunLockedError", "StepNotAvailableError", "UnsupportedError",
     "__version__",

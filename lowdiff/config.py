@@ -22,6 +22,8 @@ from lowdiff.errors import ConfigError
 COMPRESSORS = ("topk", "powersgd", "none")
 CODECS = ("none", "lz4", "zstd", "shuffle-lz4", "shuffle-zstd")
 ON_WRITE_ERROR = ("raise", "warn")
+AUTO = "auto"
+"""The value of ``snapshot.every_steps`` / ``log.batch_steps`` that hands the knob to the tuner."""
 
 
 def _check_type(key: str, value: Any, kind: type | tuple[type, ...], allowed: str) -> None:
@@ -44,6 +46,20 @@ def _check_min_int(key: str, value: Any, minimum: int) -> None:
     _check_type(key, value, int, f"an integer >= {minimum}")
     if value < minimum:
         raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value}")
+
+
+def _check_min_int_or_auto(key: str, value: Any, minimum: int) -> None:
+    if value == AUTO:
+        return
+    allowed = f"an integer >= {minimum} or '{AUTO}'"
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r}")
+
+
+def _check_number(key: str, value: Any, ok: Any, allowed: str) -> None:
+    _check_type(key, value, (int, float), allowed)
+    if value != value or not ok(value):  # value != value: NaN
+        raise ConfigError(f"config key '{key}' must be {allowed}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +88,9 @@ class CompressorConfig:
 class SnapshotConfig:
     """Full snapshots: the base that the log is replayed from."""
 
-    every_steps: int = 100
-    """Take a full snapshot every this many optimizer steps (step 0 is always snapshotted)."""
+    every_steps: int | str = 100
+    """Take a full snapshot every this many optimizer steps (step 0 is always snapshotted); ``auto``: the tuner
+    picks it from measured costs and ``tuner.mtbf_hours`` (docs/TUNER.md)."""
     keep: int = 0
     """Keep only the newest N snapshots and the log they need (0 keeps everything)."""
     shadow: bool = False
@@ -81,7 +98,7 @@ class SnapshotConfig:
     thread never copies its state for them. CPU training and compressor none only (see lowdiff/shadow.py)."""
 
     def __post_init__(self) -> None:
-        _check_min_int("snapshot.every_steps", self.every_steps, 1)
+        _check_min_int_or_auto("snapshot.every_steps", self.every_steps, 1)
         _check_min_int("snapshot.keep", self.keep, 0)
         _check_type("snapshot.shadow", self.shadow, bool, "true or false")
 
@@ -90,8 +107,9 @@ class SnapshotConfig:
 class LogConfig:
     """The differential log: one committed segment file per `batch_steps` steps."""
 
-    batch_steps: int = 16
-    """Steps per segment file; a crash loses at most this many unflushed steps."""
+    batch_steps: int | str = 16
+    """Steps per segment file; a crash loses at most this many unflushed steps. ``auto``: the tuner picks the
+    smallest batch the writer sustains, raised only while that pays (docs/TUNER.md)."""
     codec: str = "lz4"
     """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle
     first: pays for full float gradients, compressor none)."""
@@ -99,9 +117,31 @@ class LogConfig:
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
 
     def __post_init__(self) -> None:
-        _check_min_int("log.batch_steps", self.batch_steps, 1)
+        _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
         _check_choice("log.codec", self.codec, CODECS)
         _check_min_int("log.queue_depth", self.queue_depth, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunerConfig:
+    """What the tuner optimizes for when ``snapshot.every_steps`` or ``log.batch_steps`` is ``auto``."""
+
+    mtbf_hours: float = 24.0
+    """Mean time between failures of the whole job (all ranks), in hours; the failure rate is its inverse."""
+    max_overhead: float = 0.02
+    """Upper bound on checkpoint overhead as a fraction of training time, in (0, 1)."""
+    max_log_bytes: int | None = 0
+    """Upper bound on the log kept on disk, in bytes; 0 or null: no bound."""
+    retune_drift: float = 0.2
+    """Re-solve when the measured iteration time or write bandwidth moves by more than this fraction, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        _check_number("tuner.mtbf_hours", self.mtbf_hours, lambda v: 0 < v < float("inf"),
+                      "a number of hours > 0")
+        _check_number("tuner.max_overhead", self.max_overhead, lambda v: 0 < v < 1, "a fraction in (0, 1)")
+        if self.max_log_bytes is not None:
+            _check_min_int("tuner.max_log_bytes", self.max_log_bytes, 0)
+        _check_number("tuner.retune_drift", self.retune_drift, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +157,7 @@ class Config:
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def __post_init__(self) -> None:
         _check_type("run_dir", self.run_dir, (str, os.PathLike), "a path string")
@@ -183,6 +224,7 @@ _NESTED: dict[str, type] = {
     "CompressorConfig": CompressorConfig,
     "SnapshotConfig": SnapshotConfig,
     "LogConfig": LogConfig,
+    "TunerConfig": TunerConfig,
 }
 
 

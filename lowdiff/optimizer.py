@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,17 @@ log = logging.getLogger(__name__)
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
+
+
+def _owned_cpu(t: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """A CPU tensor nothing else will write to. A payload field that shares memory with the parameter's
+    ``.grad`` (the identity compressor's payload, PowerSGD's uncompressed 1-D tensors) is copied: the user may
+    zero that gradient in place (``zero_grad(set_to_none=False)``) before the writer has persisted it."""
+    if t.device.type != "cpu":
+        return t.detach().cpu()
+    if grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        return t.detach().clone()
+    return t.detach()
 
 
 class LowDiffOptimizer:
@@ -72,7 +84,11 @@ class LowDiffOptimizer:
         if config.enabled:
             shard = Shard(self._coord.rank, self._coord.world_size)
             self._checkpointer = Checkpointer(config, cc.name, shard)
-            self._open_run_dir()
+            try:
+                self._open_run_dir()
+            except BaseException:
+                self._checkpointer.close()  # a failed wrap must not keep the run directory locked
+                raise
 
     # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
 
@@ -219,9 +235,7 @@ class LowDiffOptimizer:
                                "or use a new run_dir")
         if self._checkpointer is not None:
             self._checkpointer.check()
-        # Single process: the identity payload aliases the live gradient, so it is copied. Under DDP every
-        # payload is a fresh aggregate the hook made, and .grad already holds its decode.
-        copy_payload = self.compressor.name == "none" and self._hook is None
+        t_apply = time.perf_counter()
         aggregated = self._hook.take() if self._hook is not None else None
         grads: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
@@ -245,19 +259,20 @@ class LowDiffOptimizer:
                     grads[name] = payload
         groups = [_encode_group(g) for g in self.inner.param_groups]
         out = self.inner.step()
+        apply_s = time.perf_counter() - t_apply  # compress+decode+step: the tuner's replay-cost estimate
         step = self._step + 1
         self._step = step
         if self._checkpointer is not None:
             record = StepRecord(
                 step=step, groups=groups,
-                grads={n: {f: _cpu_copy(t) if copy_payload else t.detach().cpu() for f, t in pl.items()}
+                grads={n: {f: _owned_cpu(t, self._spec.params[n].grad) for f, t in pl.items()}
                        for n, pl in grads.items()},
                 buffers=self._changed_buffers() if self._leader else {},
                 # Captured after the inner step: what the next forward (step + 1) starts from.
                 rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
                 data=positions_of(self._tracked),
             )
-            self._checkpointer.on_step(record, lambda: self._capture(step))
+            self._checkpointer.on_step(record, lambda: self._capture(step), apply_s=apply_s)
         return out
 
     # -- helpers -------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import read_manifest
 from lowdiff.storage.segment import SegmentReader
 from lowdiff.storage.snapshot import read_snapshot
+from lowdiff.tuner import DECISIONS_FILE, format_decisions
 
 
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +78,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     cs = chains(root)
     if cs:
         print(f"  latest recoverable step: {max(c.end for c in cs)}")
+    decisions = root / DECISIONS_FILE
+    if decisions.is_file():
+        try:
+            print("  tuner decisions:\n" + format_decisions(json.loads(decisions.read_text())["decisions"]))
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"  tuner decisions: unreadable {decisions.name} ({e})")
     return 0
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.format import TMP_SUFFIX
 
 # Test seam for fault injection (ENOSPC, EIO, slow disks): every byte lowdiff commits goes through here.
@@ -79,6 +80,10 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         finally:
             os.close(fd)
         commit(tmp, path)
+    except OSError as e:
+        remove_quietly(tmp)
+        raise CheckpointWriteError(e.errno, f"writing {path} failed: {e.strerror or e}; nothing was committed "
+                                   "for it", str(path)) from e
     except BaseException:
         remove_quietly(tmp)
         raise

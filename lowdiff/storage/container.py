@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,12 +95,13 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
             ds = f.create_dataset("index", data=np.frombuffer(index, dtype=np.uint8))
             ds.attrs["crc32"] = zlib.crc32(index)
             data_offset = _allocate_data(f, offset)
-        if offset:
-            fd = os.open(tmp, os.O_WRONLY)
-            try:
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            if offset:
                 atomic.pwrite_all(fd, chunks, data_offset)
-            finally:
-                os.close(fd)
+            atomic.pwrite_all(fd, [_trailer(fd, data_offset, offset)], os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
         atomic.commit(tmp, path)
     except OSError as e:
         atomic.remove_quietly(tmp)
@@ -109,6 +111,51 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
         atomic.remove_quietly(tmp)
         raise
     return offset + len(index)
+
+
+# The trailer: CRC-32 of every byte of the HDF5 file outside the `data` blob (superblock, object headers,
+# heaps, the index), checked BEFORE libhdf5 parses anything: damaged HDF5 metadata can make libhdf5 loop
+# forever or misread objects, so it must never see it. The data blob has its own per-entry CRCs.
+_TRAILER = struct.Struct("<8sQQQI4x")  # magic, hdf5 size, data offset, data length, crc32
+_TRAILER_MAGIC = b"LDIFFEND"
+
+
+def _meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int) -> int:
+    crc = 0
+    for start, end in ((0, data_offset if data_len else hdf5_size), (data_offset + data_len, hdf5_size)):
+        pos = start
+        while pos < end:
+            chunk = os.pread(fd, min(end - pos, 1 << 20), pos)
+            if not chunk:
+                raise CorruptFileError(f"file ends at {pos}, expected {end} bytes")
+            crc = zlib.crc32(chunk, crc)
+            pos += len(chunk)
+    return crc
+
+
+def _trailer(fd: int, data_offset: int, data_len: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return _TRAILER.pack(_TRAILER_MAGIC, size, data_offset, data_len, _meta_crc(fd, size, data_offset, data_len))
+
+
+def verify_trailer(path: Path) -> None:
+    """Refuse a file whose HDF5 metadata is damaged or truncated, without letting libhdf5 read it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < _TRAILER.size:
+            raise CorruptFileError(f"{path}: {size} bytes is too short for a lowdiff file (truncated?)")
+        magic, hdf5_size, data_offset, data_len, crc = _TRAILER.unpack(os.pread(fd, _TRAILER.size,
+                                                                                 size - _TRAILER.size))
+        if magic != _TRAILER_MAGIC or hdf5_size != size - _TRAILER.size or data_offset + data_len > hdf5_size:
+            raise CorruptFileError(f"{path}: missing or damaged lowdiff trailer (file truncated or damaged)")
+        if _meta_crc(fd, hdf5_size, data_offset, data_len) != crc:
+            raise CorruptFileError(f"{path}: HDF5 metadata checksum mismatch (file damaged)")
+    except CorruptFileError as e:
+        e.path = path
+        raise
+    finally:
+        os.close(fd)
 
 
 def _itemsize(dtype: object) -> int:
@@ -136,6 +183,7 @@ class ContainerReader:
 
     def __init__(self, path: Path, expected_kind: str) -> None:
         self.path = path
+        verify_trailer(path)
         try:
             self._file = h5py.File(path, "r")
         except FileNotFoundError:
@@ -164,6 +212,8 @@ class ContainerReader:
                 raise CorruptFileError(f"{where}: format version {version}, this lowdiff reads {FORMAT_VERSION}; "
                                        "upgrade lowdiff to read it")
             index_ds, data_ds = f["index"], f["data"]
+            if not isinstance(index_ds, h5py.Dataset) or not isinstance(data_ds, h5py.Dataset):
+                raise CorruptFileError(f"{where}: index/data are not datasets")
             if index_ds.dtype != np.uint8 or data_ds.dtype != np.uint8 or index_ds.ndim != 1 or data_ds.ndim != 1:
                 raise CorruptFileError(f"{where}: index/data datasets must be 1-D uint8")
             raw_index = index_ds[()].tobytes()
@@ -172,8 +222,8 @@ class ContainerReader:
             doc = json.loads(raw_index)
         except CorruptFileError:
             raise
-        except (KeyError, ValueError, TypeError, OSError) as e:
-            raise CorruptFileError(f"{where}: damaged container ({e})") from e
+        except (KeyError, ValueError, TypeError, OSError, AttributeError, RuntimeError) as e:
+            raise CorruptFileError(f"{where}: damaged container ({e!r})") from e
         self._data = data_ds
         self.data_nbytes = int(data_ds.shape[0])
         if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict) or not isinstance(doc.get("entries"), list):

@@ -1,0 +1,213 @@
+"""Compressor invariants (hypothesis): exact Top-k selection, decode and error feedback; PowerSGD shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowdiff import CorruptFileError
+from lowdiff.compressors import decode_payload, make_compressor, powersgd, topk
+from lowdiff.compressors.identity import IdentityCompressor
+
+shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+ratios = st.sampled_from([0.01, 0.1, 0.3, 0.5, 0.99, 1.0])
+
+
+def _tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _distinct(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n values with pairwise distinct magnitudes (a permutation of 1..n with random signs)."""
+    g = torch.Generator().manual_seed(seed)
+    mags = (torch.randperm(n, generator=g) + 1).to(dtype)
+    signs = torch.randint(0, 2, (n,), generator=g).to(dtype) * 2 - 1
+    return mags * signs
+
+
+# --- Top-k ---------------------------------------------------------------------------------------------------
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3000), frac=st.floats(0.0, 1.0),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_select_topk_equals_torch_topk_on_distinct_values(seed: int, n: int, frac: float, dtype) -> None:
+    x = _distinct(seed, n, dtype)
+    k = max(1, min(n, round(frac * n)))
+    got = topk.select_topk(x, k)
+    assert got.tolist() == sorted(got.tolist()), "indices must be sorted ascending"
+    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1 << 16, (1 << 16) + 5000),
+       ratio=st.sampled_from([0.001, 0.01, 0.05, 0.1]))
+def test_select_topk_sampled_path_is_exact(seed: int, n: int, ratio: float) -> None:
+    """Large tensors take the sampled-threshold path; the selected set must still be the exact top-k."""
+    x = _distinct(seed, n, torch.float32)
+    k = topk.k_for(n, ratio)
+    gen = torch.Generator().manual_seed(seed)
+    got = topk.select_topk(x, k, gen)
+    assert got.numel() == k and bool((got[1:] > got[:-1]).all())
+    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@given(numel=st.integers(0, 10_000), ratio=st.floats(1e-6, 1.0))
+def test_k_for_bounds(numel: int, ratio: float) -> None:
+    k = topk.k_for(numel, ratio)
+    assert k >= 1 and (k <= numel or numel == 0) and k >= min(numel, math.ceil(ratio * numel))
+
+
+@given(seed=st.integers(0, 10_000), shape=shapes, ratio=ratios, dtype=st.sampled_from([torch.float32, torch.float64,
+                                                                                   torch.float16, torch.bfloat16]))
+def test_topk_decode_has_exactly_the_selected_values(seed: int, shape, ratio: float, dtype) -> None:
+    grad = _tensor(seed, shape, dtype)
+    c = make_compressor("topk", ratio=ratio)
+    payload = c.compress("w", grad)
+    assert set(payload) == {"values", "indices"}
+    idx, values = payload["indices"], payload["values"]
+    assert idx.dtype == torch.int32 and values.dtype == dtype
+    assert idx.numel() == values.numel() == topk.k_for(grad.numel(), ratio)
+    assert bool((idx[1:] > idx[:-1]).all()), "indices must be unique and sorted"
+    dec = decode_payload(payload, grad.shape)
+    assert dec.shape == grad.shape and dec.dtype == dtype
+    flat = dec.reshape(-1)
+    assert torch.equal(flat[idx.long()], values)
+    assert torch.equal(values, grad.reshape(-1)[idx.long()]), "first step: values are the gradient's own"
+    mask = torch.ones(flat.numel(), dtype=torch.bool)
+    mask[idx.long()] = False
+    assert bool((flat[mask] == 0).all())
+    # Selected are the largest magnitudes: nothing left out is bigger than anything kept.
+    if mask.any():
+        assert grad.reshape(-1)[mask].abs().max() <= values.abs().min()
+
+
+@given(seed=st.integers(0, 10_000), shape=shapes, ratio=ratios, steps=st.integers(1, 5))
+def test_topk_error_feedback_is_exact(seed: int, shape, ratio: float, steps: int) -> None:
+    """residual_t + decoded_t == gradient_t + residual_{t-1}, bit for bit, at every step."""
+    c = make_compressor("topk", ratio=ratio)
+    residual = torch.zeros(shape).reshape(-1)
+    for t in range(steps):
+        grad = _tensor(seed + t, shape)
+        acc = grad.reshape(-1) + residual if t else grad.reshape(-1).clone()
+        dec = decode_payload(c.compress("w", grad), shape)
+        residual = c.state_dict()["w"]["residual"].clone()
+        assert torch.equal(residual + dec.reshape(-1), acc)
+        assert bool((residual[dec.reshape(-1) != 0] == 0).all())
+
+
+def test_topk_without_error_feedback_keeps_no_residual() -> None:
+    c = make_compressor("topk", ratio=0.25, error_feedback=False)
+    g = _tensor(1, (4, 4))
+    p1, p2 = c.compress("w", g), c.compress("w", g)
+    assert c.state_dict() == {}
+    assert torch.equal(p1["values"], p2["values"]) and torch.equal(p1["indices"], p2["indices"])
+
+
+def test_topk_state_round_trip_continues_identically() -> None:
+    a = make_compressor("topk", ratio=0.2)
+    a.compress("w", _tensor(0, (6, 5)))
+    b = make_compressor("topk", ratio=0.2)
+    b.load_state_dict({k: {n: t.clone() for n, t in v.items()} for k, v in a.state_dict().items()})
+    g = _tensor(1, (6, 5))
+    pa, pb = a.compress("w", g), b.compress("w", g)
+    assert torch.equal(pa["values"], pb["values"]) and torch.equal(pa["indices"], pb["indices"])
+
+
+@pytest.mark.parametrize("payload, shape", [
+    ({"values": torch.ones(3), "indices": torch.tensor([0, 1], dtype=torch.int32)}, (4,)),
+    ({"values": torch.ones(1), "indices": torch.tensor([4], dtype=torch.int32)}, (4,)),
+    ({"values": torch.ones(1), "indices": torch.tensor([-1], dtype=torch.int32)}, (4,)),
+    ({"full": torch.ones(5)}, (2, 2)),
+    ({"p": torch.ones(3, 2), "q": torch.ones(4, 1)}, (3, 4)),
+    ({"p": torch.ones(3, 2), "q": torch.ones(4, 2)}, (3, 5)),
+    ({"bogus": torch.ones(1)}, (1,)),
+])
+def test_decode_rejects_inconsistent_payloads(payload, shape) -> None:
+    with pytest.raises(CorruptFileError):
+        decode_payload(payload, shape)
+
+
+# --- PowerSGD ------------------------------------------------------------------------------------------------
+
+
+@given(seed=st.integers(0, 10_000), shape=st.lists(st.integers(1, 12), min_size=2, max_size=4).map(tuple),
+       rank=st.integers(1, 4), steps=st.integers(1, 3))
+def test_powersgd_payload_and_decode_shape(seed: int, shape, rank: int, steps: int) -> None:
+    c = make_compressor("powersgd", rank=rank)
+    dims = powersgd.factor_shapes(shape, rank)
+    for t in range(steps):
+        grad = _tensor(seed + t, shape)
+        payload = c.compress("w", grad)
+        dec = decode_payload(payload, shape)
+        assert dec.shape == torch.Size(shape) and dec.dtype == grad.dtype
+        if dims is None:
+            assert set(payload) == {"full"} and torch.equal(dec, grad)
+            continue
+        n, m, r = dims
+        assert n * m == grad.numel() and (n + m) * r < n * m
+        assert set(payload) == {"p", "q"}
+        assert payload["p"].shape == (n, r) and payload["q"].shape == (m, r)
+        # decode is the documented sum of rank-1 products in order, bit for bit, and deterministic.
+        p, q = payload["p"], payload["q"]
+        expected = p[:, 0:1] * q[:, 0].unsqueeze(0)
+        for i in range(1, r):
+            expected = expected + p[:, i : i + 1] * q[:, i].unsqueeze(0)
+        assert torch.equal(dec, expected.reshape(shape))
+        assert torch.equal(dec, decode_payload(payload, shape))
+        assert torch.equal(c.state_dict()["w"]["q"], q)
+
+
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 50), rank=st.integers(1, 4))
+def test_powersgd_sends_1d_tensors_full(seed: int, n: int, rank: int) -> None:
+    c = make_compressor("powersgd", rank=rank)
+    grad = _tensor(seed, (n,))
+    payload = c.compress("b", grad)
+    assert set(payload) == {"full"}
+    assert torch.equal(payload["full"], grad) and payload["full"] is not grad
+    assert torch.equal(decode_payload(payload, (n,)), grad)
+    assert "b" not in c.state_dict(), "uncompressed tensors keep no residual or Q"
+
+
+def test_powersgd_small_matrix_is_sent_full() -> None:
+    # (n + m) * r >= n * m: factors would not be smaller.
+    assert powersgd.factor_shapes((2, 2), 2) is None
+    assert powersgd.factor_shapes((3,), 2) is None
+    assert powersgd.factor_shapes((8, 16), 2) == (8, 16, 2)
+    assert powersgd.factor_shapes((8, 3, 3, 3), 4) == (8, 27, 4)
+
+
+def test_powersgd_initial_q_is_seeded_by_name() -> None:
+    a, b = make_compressor("powersgd", rank=2), make_compressor("powersgd", rank=2)
+    g = _tensor(3, (10, 12))
+    pa, pb = a.compress("layer.weight", g), b.compress("layer.weight", g)
+    assert torch.equal(pa["p"], pb["p"]) and torch.equal(pa["q"], pb["q"])
+
+
+def test_powersgd_state_round_trip_continues_identically() -> None:
+    a = make_compressor("powersgd", rank=2)
+    a.compress("w", _tensor(0, (10, 12)))
+    b = make_compressor("powersgd", rank=2)
+    b.load_state_dict({k: {n: t.clone() for n, t in v.items()} for k, v in a.state_dict().items()})
+    g = _tensor(1, (10, 12))
+    pa, pb = a.compress("w", g), b.compress("w", g)
+    assert torch.equal(pa["p"], pb["p"]) and torch.equal(pa["q"], pb["q"])
+
+
+def test_identity_payload_is_the_gradient() -> None:
+    c = IdentityCompressor()
+    g = _tensor(0, (3, 4))
+    payload = c.compress("w", g)
+    assert set(payload) == {"full"} and torch.equal(decode_payload(payload, (3, 4)), g)
+    assert c.state_dict() == {}
+    with pytest.raises(ValueError):
+        c.load_state_dict({"w": {"residual": torch.zeros(1)}})
+
+
+def test_make_compressor_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown compressor"):
+        make_compressor("dgc")

@@ -1,0 +1,181 @@
+"""The HDF5 container: round trip over codecs; damage and truncation are CorruptFileError naming the file."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lowdiff import CorruptFileError
+from lowdiff.storage import atomic, codecs
+from lowdiff.storage.container import ContainerReader, EntryIn, write_container
+
+CODECS = list(codecs.CODECS)
+DTYPES = {"param/a": "float32", "param/b": "int64", "optim/a/step": "float32", "empty": "uint8"}
+
+
+def _entries(seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {
+        "param/a": bytes(rng.getrandbits(8) for _ in range(3000)),
+        "param/b": b"MARKER-" * 200,
+        "optim/a/step": b"\x01\x02\x03\x04",
+        "empty": b"",
+    }
+
+
+def _write(path: Path, entries: dict[str, bytes], codec: str) -> None:
+    # Entry "param/a" is given as two chunks: the writer concatenates them.
+    ins = []
+    for name, raw in entries.items():
+        chunks = [raw[: len(raw) // 2], raw[len(raw) // 2 :]] if name == "param/a" else [raw]
+        ins.append(EntryIn(name, chunks, {"dtype": DTYPES[name], "shape": [len(raw)]}))
+    write_container(path, "snapshot", {"step": 3}, ins, codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip(tmp_path: Path, codec: str) -> None:
+    path = tmp_path / "c.h5"
+    entries = _entries()
+    _write(path, entries, codec)
+    assert not atomic.tmp_path(path).exists()
+    with ContainerReader(path, "snapshot") as r:
+        assert r.meta == {"step": 3}
+        assert set(r.entries) == set(entries)
+        for name, raw in entries.items():
+            assert bytes(r.read(name, len(raw))) == raw
+            assert r.entries[name]["dtype"] == DTYPES[name] and r.entries[name]["codec"] == codec
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@given(blobs=st.lists(st.binary(max_size=300), min_size=0, max_size=5))
+def test_round_trip_any_entries(tmp_path_factory: pytest.TempPathFactory, codec: str, blobs: list[bytes]) -> None:
+    path = tmp_path_factory.mktemp("c") / "x.h5"
+    write_container(path, "segment", {"n": len(blobs)},
+                    [EntryIn(f"e{i}", [b], {}) for i, b in enumerate(blobs)], codec)
+    with ContainerReader(path, "segment") as r:
+        assert [bytes(r.read(f"e{i}", len(b))) for i, b in enumerate(blobs)] == blobs
+
+
+def _offset(path: Path, dataset: str) -> int:
+    with h5py.File(path, "r") as f:
+        off = f[dataset].id.get_offset()
+    assert off is not None
+    return int(off)
+
+
+def _flip(path: Path, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_bit_flip_in_data_is_corrupt_and_names_the_file(tmp_path: Path, codec: str) -> None:
+    path = tmp_path / "c.h5"
+    entries = _entries()
+    _write(path, entries, codec)
+    with ContainerReader(path, "snapshot") as r:
+        d = r.entries["param/b"]
+    _flip(path, _offset(path, "data") + d["offset"] + d["nbytes"] // 2)
+    with ContainerReader(path, "snapshot") as r:
+        # Untouched entries still read fine; the damaged one never comes back silently.
+        assert bytes(r.read("param/a", len(entries["param/a"]))) == entries["param/a"]
+        with pytest.raises(CorruptFileError, match="checksum") as e:
+            r.read("param/b", len(entries["param/b"]))
+    assert str(path) in str(e.value) and "param/b" in str(e.value)
+
+
+def test_bit_flip_in_index_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "c.h5"
+    _write(path, _entries(), "none")
+    _flip(path, _offset(path, "index") + 5)
+    with pytest.raises(CorruptFileError) as e:
+        ContainerReader(path, "snapshot")
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 100, 0.5, -1])
+def test_truncated_file_is_corrupt(tmp_path: Path, keep: float) -> None:
+    path = tmp_path / "c.h5"
+    entries = _entries()
+    _write(path, entries, "lz4")
+    size = path.stat().st_size
+    new = int(size * keep) if isinstance(keep, float) else (size + keep if keep < 0 else keep)
+    os.truncate(path, new)
+    with pytest.raises(CorruptFileError) as e:
+        with ContainerReader(path, "snapshot") as r:
+            for name, raw in entries.items():
+                r.read(name, len(raw))
+    assert str(path) in str(e.value)
+
+
+def test_wrong_kind_version_and_missing(tmp_path: Path) -> None:
+    path = tmp_path / "c.h5"
+    _write(path, _entries(), "none")
+    with pytest.raises(CorruptFileError, match="not a lowdiff segment file"):
+        ContainerReader(path, "segment")
+    # Any edit behind lowdiff's back breaks the metadata checksum in the trailer...
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 99
+    with pytest.raises(CorruptFileError, match="trailer|checksum"):
+        ContainerReader(path, "snapshot")
+    # ...while a well-formed file from a newer format version is refused with advice.
+    newer = tmp_path / "newer.h5"
+    import lowdiff.storage.container as container_mod
+
+    real = container_mod.FORMAT_VERSION
+    container_mod.FORMAT_VERSION = 99
+    try:
+        _write(newer, _entries(), "none")
+    finally:
+        container_mod.FORMAT_VERSION = real
+    with pytest.raises(CorruptFileError, match="upgrade lowdiff"):
+        ContainerReader(newer, "snapshot")
+    with pytest.raises(FileNotFoundError):
+        ContainerReader(tmp_path / "absent.h5", "snapshot")
+    (tmp_path / "junk.h5").write_bytes(b"this is not hdf5" * 10)
+    with pytest.raises(CorruptFileError, match="junk.h5"):
+        ContainerReader(tmp_path / "junk.h5", "snapshot")
+
+
+def test_reader_checks_sizes_against_the_callers_expectation(tmp_path: Path) -> None:
+    path = tmp_path / "c.h5"
+    entries = _entries()
+    _write(path, entries, "zstd")
+    with ContainerReader(path, "snapshot") as r:
+        with pytest.raises(CorruptFileError, match="expected"):
+            r.read("param/a", len(entries["param/a"]) + 1)
+        with pytest.raises(CorruptFileError, match="missing entry"):
+            r.read("param/zzz", 1)
+
+
+def test_write_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import lowdiff
+
+    def enospc(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "_pwritev", enospc)
+    path = tmp_path / "c.h5"
+    with pytest.raises(lowdiff.CheckpointWriteError) as e:
+        _write(path, _entries(), "none")
+    assert e.value.errno == errno.ENOSPC and str(path) in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_dataset_is_uint8(tmp_path: Path) -> None:
+    path = tmp_path / "c.h5"
+    _write(path, _entries(), "none")
+    with h5py.File(path, "r") as f:
+        assert f["data"].dtype == np.uint8 and f["index"].dtype == np.uint8

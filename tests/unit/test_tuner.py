@@ -1,0 +1,398 @@
+"""The tuner: its optimum is the model's true optimum, it moves the right way, it respects its limits; the
+profiler measures what it should; the new config keys validate like the others."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from lowdiff import Config, ConfigError
+from lowdiff.profiler import AutoTuner, Profiler, fit_write_cost
+from lowdiff.tuner import Costs, Limits, evaluate, format_decisions, min_batch_steps, solve, young_daly_interval
+
+# Three regimes: a GPU-ish job on a fast disk, a slow network disk with a large per-write cost (B_min > 1 and
+# the snapshot burst stalls), and a CPU-bound writer that slows training (interference pushes B up).
+COSTS = {
+    "fast": Costs(iteration_s=0.3, diff_bytes=2e6, snapshot_bytes=2e9, snapshot_block_s=0.4,
+                  write_bytes_per_s=2e9, write_latency_s=0.002, replay_step_s=0.02),
+    "slow": Costs(iteration_s=0.05, diff_bytes=500e3, snapshot_bytes=300e6, snapshot_block_s=0.05,
+                  write_bytes_per_s=100e6, write_latency_s=0.08, replay_step_s=0.01),
+    "contended": Costs(iteration_s=0.1, diff_bytes=1e6, snapshot_bytes=100e6, snapshot_block_s=0.05,
+                       write_bytes_per_s=300e6, write_latency_s=0.01, replay_step_s=0.02, write_interference=0.5,
+                       read_latency_s=0.002, restart_s=30.0),
+}
+
+
+def _brute_force(costs: Costs, limits: Limits) -> tuple[float, int, int]:
+    best = (math.inf, 0, 0)
+    for b in range(1, limits.max_batch_steps + 1):
+        for f in range(b, limits.max_every_steps + 1, b):
+            r = evaluate(costs, limits, f, b)
+            if r.feasible and r.waste_fraction < best[0]:
+                best = (r.waste_fraction, f, b)
+    return best
+
+
+@pytest.mark.parametrize("name", sorted(COSTS))
+@pytest.mark.parametrize("mtbf_h", [0.5, 24.0])
+def test_optimum_matches_brute_force(name: str, mtbf_h: float) -> None:
+    limits = Limits(mtbf_s=mtbf_h * 3600, max_every_steps=2500, max_batch_steps=40, max_overhead=0.5)
+    d = solve(COSTS[name], limits)
+    waste, f, b = _brute_force(COSTS[name], limits)
+    assert d.feasible
+    assert d.breakdown.waste_fraction <= waste * (1 + 1e-12), (d.every_steps, d.batch_steps, f, b)
+    assert d.breakdown.waste_fraction == pytest.approx(waste, rel=1e-12)
+
+
+@pytest.mark.parametrize("fixed", ["every", "batch"])
+def test_one_knob_fixed_matches_brute_force(fixed: str) -> None:
+    c = COSTS["contended"]
+    if fixed == "every":
+        limits = Limits(mtbf_s=3600, every_steps=360, max_overhead=0.5)
+        cands = [(360, b) for b in range(1, 361) if 360 % b == 0]
+    else:
+        limits = Limits(mtbf_s=3600, batch_steps=8, max_every_steps=20_000, max_overhead=0.5)
+        cands = [(f, 8) for f in range(8, 20_001, 8)]
+    d = solve(c, limits)
+    best = min((evaluate(c, limits, f, b) for f, b in cands), key=lambda r: (not r.feasible, r.waste_fraction))
+    assert (d.every_steps, d.batch_steps) == (best.every_steps, best.batch_steps)
+    assert d.every_steps % d.batch_steps == 0
+
+
+def test_closed_form_young_daly_matches_numeric_optimum_without_stalls() -> None:
+    # No writer effects: the model reduces to C_F/(F T) + lambda r F/2 + const, whose optimum is Young/Daly's.
+    c = Costs(iteration_s=0.1, diff_bytes=1e3, snapshot_bytes=1e6, snapshot_block_s=0.5, write_bytes_per_s=1e12,
+              write_latency_s=0.0, replay_step_s=0.01)
+    limits = Limits(mtbf_s=3600, batch_steps=1)
+    d = solve(c, limits)
+    assert d.every_steps == pytest.approx(young_daly_interval(c, limits), rel=0.02)
+
+
+def test_higher_failure_rate_gives_smaller_interval() -> None:
+    for name, c in COSTS.items():
+        fixed_b = [solve(c, Limits(mtbf_s=h * 3600, batch_steps=4, max_overhead=0.5)).every_steps
+                   for h in (0.25, 1, 4, 24, 168)]
+        assert fixed_b == sorted(fixed_b), (name, fixed_b)
+        assert fixed_b[0] < fixed_b[-1], name
+        tuned = [solve(c, Limits(mtbf_s=h * 3600, max_overhead=0.5)).every_steps for h in (0.25, 4, 168)]
+        assert tuned == sorted(tuned) and tuned[0] < tuned[-1], (name, tuned)
+
+
+def test_bigger_snapshot_cost_gives_larger_interval() -> None:
+    for name, c in COSTS.items():
+        fs = [solve(c.replace(snapshot_block_s=cf), Limits(mtbf_s=3600, batch_steps=4, max_overhead=0.5)).every_steps
+              for cf in (0.01, 0.05, 0.2, 1.0, 5.0)]
+        assert fs == sorted(fs) and fs[0] < fs[-1], (name, fs)
+
+
+def test_bigger_replay_cost_gives_smaller_interval() -> None:
+    c = COSTS["fast"]
+    fs = [solve(c.replace(replay_step_s=r), Limits(mtbf_s=3600)).every_steps for r in (0.001, 0.01, 0.1)]
+    assert fs == sorted(fs, reverse=True) and fs[0] > fs[-1]
+
+
+def test_interval_is_a_multiple_of_the_batch() -> None:
+    for c in COSTS.values():
+        for h in (1, 24):
+            d = solve(c, Limits(mtbf_s=h * 3600))
+            assert d.every_steps % d.batch_steps == 0
+
+
+def test_max_overhead_is_respected() -> None:
+    c = COSTS["fast"]
+    free = solve(c, Limits(mtbf_s=600, max_overhead=0.5))
+    assert free.overhead > 0.002  # a high failure rate wants frequent snapshots...
+    capped = solve(c, Limits(mtbf_s=600, max_overhead=0.002))
+    assert capped.feasible and capped.overhead <= 0.002  # ...the bound wins
+    assert capped.every_steps > free.every_steps
+    assert capped.waste_s_per_hour >= free.waste_s_per_hour
+
+
+def test_max_log_bytes_is_respected() -> None:
+    c = COSTS["fast"]
+    free = solve(c, Limits(mtbf_s=168 * 3600))
+    cap = int(free.breakdown.log_bytes / 3)
+    for keep in (0, 1, 3):
+        d = solve(c, Limits(mtbf_s=168 * 3600, max_log_bytes=cap, keep_snapshots=keep))
+        assert d.breakdown.log_bytes <= cap
+        assert max(keep, 1) * d.every_steps * c.diff_bytes <= cap
+        assert "max_log_bytes" in d.rationale
+
+
+def test_writer_sustains_the_batch() -> None:
+    c = COSTS["slow"]
+    limits = Limits(mtbf_s=3600)
+    bmin = min_batch_steps(c, limits)
+    assert bmin is not None and bmin > 1
+    room = limits.max_writer_load * c.iteration_s - c.diff_bytes / c.write_bytes_per_s
+    assert bmin == math.ceil(c.write_latency_s / room)
+    d = solve(c, limits)
+    assert d.batch_steps >= bmin
+    assert d.breakdown.writer_load <= limits.max_writer_load
+
+
+def test_interference_raises_the_batch() -> None:
+    c = COSTS["contended"]
+    quiet = solve(c.replace(write_interference=0.0), Limits(mtbf_s=24 * 3600))
+    loud = solve(c, Limits(mtbf_s=24 * 3600))
+    assert loud.batch_steps > quiet.batch_steps
+    assert "B raised from B_min" in loud.rationale
+
+
+def test_infeasible_limits_are_reported() -> None:
+    c = COSTS["slow"].replace(diff_bytes=20e6)  # the log alone outruns the disk: 20 MB per 50 ms step
+    d = solve(c, Limits(mtbf_s=3600))
+    assert not d.feasible and min_batch_steps(c, Limits(mtbf_s=3600)) is None
+    assert "LIMITS NOT MET" in d.rationale and "max_writer_load" in d.breakdown.violations
+
+
+def test_rationale_lists_every_input() -> None:
+    c = COSTS["contended"]
+    d = solve(c, Limits(mtbf_s=7200, max_log_bytes=10**10, keep_snapshots=2))
+    for token in ("T=100 ms", "S_d=1 MB", "S_F=100 MB", "C_F=50 ms", "BW_w=300 MB/s", "l_w=10 ms", "t_rep=20 ms",
+                  "l_r=2 ms", "R=30 s", "alpha=0.5", "MTBF=2 h", "max_overhead=0.02", "max_log_bytes=10 GB",
+                  "queue_depth=4", "keep=2", "F* = sqrt", "B_min"):
+        assert token in d.rationale, token
+    doc = json.loads(json.dumps(d.to_dict()))
+    assert doc["every_steps"] == d.every_steps and doc["costs"]["iteration_s"] == 0.1
+    assert f"every_steps={d.every_steps}" in format_decisions([doc])
+
+
+def test_costs_and_limits_validate() -> None:
+    with pytest.raises(ValueError, match="iteration_s"):
+        COSTS["fast"].replace(iteration_s=0)
+    with pytest.raises(ValueError, match="write_interference"):
+        COSTS["fast"].replace(write_interference=2.0)
+    with pytest.raises(ValueError, match="max_overhead"):
+        Limits(mtbf_s=1, max_overhead=1.0)
+
+
+# -- profiler -----------------------------------------------------------------------------------------------
+
+
+def test_write_fit_recovers_latency_and_bandwidth() -> None:
+    samples = [(n, 0.004 + n / 250e6 * (1 + 0.01 * (i % 3 - 1))) for i, n in
+               enumerate([20e3, 80e3, 320e3] * 5 + [50e6] * 2)]
+    fit = fit_write_cost(samples)
+    assert fit is not None and fit.method == "fit"
+    assert fit.latency_s == pytest.approx(0.004, rel=0.1)
+    assert fit.bytes_per_s == pytest.approx(250e6, rel=0.05)
+    one_size = fit_write_cost([(1e5, 0.01)] * 4, prior_bytes_per_s=1e8)
+    assert one_size is not None and one_size.method == "prior bandwidth"
+    assert one_size.latency_s == pytest.approx(0.01 - 1e5 / 1e8)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _feed(p: Profiler, clock: FakeClock, steps: int, step_s: float, *, first: int = 0,
+          seg_every: int = 8, seg_s: float = 0.01, seg_bytes: float = 8e5) -> None:
+    for i in range(first, first + steps):
+        clock.now += step_s
+        p.on_step(i, apply_s=0.004)
+        if i % seg_every == seg_every - 1:
+            p.on_segment_written(seg_bytes, seg_s, steps=seg_every)
+
+
+def test_profiler_measures_and_subtracts_snapshot_blocking() -> None:
+    clock = FakeClock()
+    p = Profiler(clock=clock)
+    assert p.costs() is None and len(p.missing()) == 4
+    _feed(p, clock, 40, 0.1)
+    clock.now += 0.1
+    p.on_snapshot(5e8, block_s=0.5)  # capture inside a step: not iteration time
+    clock.now += 0.5
+    p.on_step(40)
+    p.on_snapshot_written(5e8, 0.01 + 5e8 / 500e6)
+    c = p.costs()
+    assert c is not None
+    assert c.iteration_s == pytest.approx(0.1)
+    assert c.snapshot_block_s == 0.5 and c.snapshot_bytes == 5e8
+    assert c.diff_bytes == pytest.approx(1e5)
+    assert c.write_bytes_per_s == pytest.approx(500e6, rel=0.01)  # the line through both sizes
+    assert c.write_latency_s == pytest.approx(0.01 - 8e5 / 500e6, rel=0.01)
+    assert c.replay_step_s == pytest.approx(0.004)
+    assert "decode + optimizer step" in c.sources["replay_step_s"]
+    p.on_replay(steps=100, seconds=1.5, read_bytes=1e8, read_s=0.1)
+    c2 = p.costs()
+    assert c2 is not None and c2.replay_step_s == pytest.approx(0.015) and c2.read_bytes_per_s == pytest.approx(1e9)
+
+
+def test_profiler_estimates_write_interference() -> None:
+    clock = FakeClock()
+    p = Profiler(clock=clock, window_steps=64)
+    for i in range(64):
+        busy = i % 2 == 1
+        clock.now += 0.15 if busy else 0.1  # a write covering the whole step costs alpha = 0.5 of it
+        p.on_step(i)
+        if busy:
+            p.on_segment_written(1e5, 0.1)
+    alpha, how = p.write_interference()
+    assert alpha == pytest.approx(0.5, rel=0.05), how
+
+
+def _tuner_with_data(clock: FakeClock, step_s: float) -> AutoTuner:
+    p = Profiler(clock=clock, window_steps=32)
+    t = AutoTuner(mtbf_s=3600, profiler=p, retune_drift=0.2)
+    _feed(p, clock, 32, step_s)
+    p.on_snapshot(2e8, block_s=0.2)
+    p.on_snapshot_written(2e8, 0.01 + 2e8 / 400e6)
+    return t
+
+
+def test_autotuner_decides_then_retunes_on_drift_both_ways(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    t = _tuner_with_data(clock, 0.1)
+    assert t.current() == (128, 16)  # bootstrap until measured
+    with caplog.at_level(logging.INFO, logger="lowdiff.profiler"):
+        d0 = t.update(32)
+    assert d0 is not None and d0.reason == "initial" and t.current() == (d0.every_steps, d0.batch_steps)
+    assert "T=100 ms" in caplog.text and f"every_steps={d0.every_steps}" in caplog.text
+    # 10 % slower: within the drift bound, no new decision.
+    _feed(t.profiler, clock, 200, 0.11, first=33)
+    assert t.update(233) is None and len(t.decisions) == 1
+    # 4x slower steps: F* ~ 1/sqrt(T) (the same snapshot cost is amortized over fewer, longer steps): F goes down.
+    _feed(t.profiler, clock, 200, 0.4, first=234)
+    d1 = t.update(434)
+    assert d1 is not None and d1.reason.startswith("drift: iteration time")
+    assert d1.every_steps < d0.every_steps
+    # Back to fast: F goes up again.
+    _feed(t.profiler, clock, 200, 0.1, first=435)
+    d2 = t.update(635)
+    assert d2 is not None and d2.every_steps > d1.every_steps
+    assert [d.step for d in t.decisions] == [32, 434, 635]
+    assert json.loads(json.dumps(t.decisions_as_dicts()))[-1]["reason"].startswith("drift")
+
+
+def test_autotuner_from_config_and_seed() -> None:
+    assert AutoTuner.from_config(Config.from_dict({"run_dir": "r"})) is None
+    cfg = Config.from_dict({"run_dir": "r", "snapshot": {"every_steps": "auto", "keep": 2},
+                            "log": {"batch_steps": 8, "queue_depth": 3},
+                            "tuner": {"mtbf_hours": 2, "max_overhead": 0.05, "max_log_bytes": 10**9}})
+    t = AutoTuner.from_config(cfg)
+    assert t is not None
+    assert t.limits.mtbf_s == 7200 and t.limits.batch_steps == 8 and t.limits.every_steps is None
+    assert t.limits.queue_depth == 3 and t.limits.keep_snapshots == 2 and t.limits.max_log_bytes == 10**9
+    assert t.current()[1] == 8 and t.current()[0] % 8 == 0
+    before = t.current()
+    t.seed([{"every_steps": 100, "batch_steps": 4}])  # the config's batch (8) wins; 100 is no multiple of it
+    assert t.current() == before
+    t.seed([{"every_steps": 400, "batch_steps": 16}])
+    assert t.current() == (400, 8)
+
+
+# -- config ---------------------------------------------------------------------------------------------------
+
+
+def test_config_accepts_auto_and_tuner_section(tmp_path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("run_dir: r\nsnapshot: {every_steps: auto}\nlog: {batch_steps: auto}\n"
+                 "tuner: {mtbf_hours: 0.5, max_overhead: 0.01, max_log_bytes: 1000000, retune_drift: 0.3}\n")
+    c = Config.from_yaml(y)
+    assert c.snapshot.every_steps == "auto" and c.log.batch_steps == "auto"
+    assert (c.tuner.mtbf_hours, c.tuner.max_overhead, c.tuner.max_log_bytes, c.tuner.retune_drift) == \
+        (0.5, 0.01, 1000000, 0.3)
+    d = Config.from_dict({"run_dir": "r"})
+    assert (d.tuner.mtbf_hours, d.tuner.max_overhead, d.tuner.max_log_bytes, d.tuner.retune_drift) == \
+        (24.0, 0.02, 0, 0.2)
+    assert Config.from_dict(c.to_dict()) == c
+    assert Config.from_dict({"run_dir": "r", "tuner": {"max_log_bytes": None}}).tuner.max_log_bytes is None
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"snapshot": {"every_steps": "Auto"}}, "'snapshot.every_steps' must be an integer >= 1 or 'auto'"),
+    ({"snapshot": {"every_steps": 0}}, "'snapshot.every_steps' must be an integer >= 1 or 'auto'"),
+    ({"log": {"batch_steps": True}}, "'log.batch_steps' must be an integer >= 1 or 'auto'"),
+    ({"log": {"batch_steps": 2.5}}, "'log.batch_steps' must be an integer >= 1 or 'auto'"),
+    ({"tuner": {"mtbf_hours": 0}}, "'tuner.mtbf_hours' must be a number of hours > 0"),
+    ({"tuner": {"mtbf_hours": "1h"}}, "'tuner.mtbf_hours' must be a number of hours > 0"),
+    ({"tuner": {"max_overhead": 0}}, "'tuner.max_overhead' must be a fraction in (0, 1)"),
+    ({"tuner": {"max_overhead": 1.5}}, "'tuner.max_overhead' must be a fraction in (0, 1)"),
+    ({"tuner": {"max_log_bytes": -1}}, "'tuner.max_log_bytes' must be an integer >= 0"),
+    ({"tuner": {"max_log_bytes": 1.5}}, "'tuner.max_log_bytes' must be an integer >= 0"),
+    ({"tuner": {"retune_drift": 0}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
+    ({"tuner": {"retune_drift": False}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
+    ({"tuner": {"mtbf": 3}}, "unknown config key 'tuner.mtbf'; allowed keys here: max_log_bytes, max_overhead, "
+                             "mtbf_hours, retune_drift"),
+    ({"tuner": 3}, "'tuner' must be a mapping"),
+])
+def test_config_rejects_bad_tuner_values(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"run_dir": "r", **data})
+    assert message in str(e.value)
+
+
+# -- wired into training --------------------------------------------------------------------------------------
+
+
+def test_auto_end_to_end(tmp_path) -> None:
+    """every_steps/batch_steps auto on a real run: the tuner decides after the bootstrap snapshot, the schedule
+    follows its decisions, tuner.json records them, and recovery stays exact."""
+    import torch
+
+    import lowdiff
+    from lowdiff.storage.format import list_snapshots
+    from lowdiff.tuner import DECISIONS_FILE
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    run = tmp_path / "run"
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, {
+        "run_dir": str(run), "compressor": {"name": "topk", "ratio": 0.1},
+        "snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
+        "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(400):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    decisions = json.loads((run / DECISIONS_FILE).read_text())["decisions"]
+    assert decisions and decisions[0]["reason"] == "initial" and decisions[0]["step"] > 128
+    for d in decisions:
+        assert d["every_steps"] % d["batch_steps"] == 0 and "rationale" in d
+    snaps = sorted(list_snapshots(run))
+    assert snaps[:2] == [0, 128]  # bootstrap interval until the first decision
+    assert snaps[-1] > decisions[0]["step"]
+
+    def in_force(step: int) -> int:  # decisions apply from the step after they are made
+        return [d["every_steps"] for d in decisions if d["step"] < step][-1]
+
+    for a, b in zip(snaps[1:], snaps[2:]):
+        changed = any(a < d["step"] < b for d in decisions)
+        # A snapshot comes once the interval in force has passed since the previous one; exactly then, unless
+        # a decision in between shortened the interval below what had already passed.
+        assert b - a >= in_force(b) and (changed or b - a == in_force(b)), (a, b, decisions)
+    rec = lowdiff.recover(run)
+    assert rec.step == 400
+    assert all(torch.equal(rec.model[k], v) for k, v in model.state_dict().items())
+
+
+def test_auto_refused_for_sharded_writes() -> None:
+    from lowdiff.checkpointer import Checkpointer
+    from lowdiff.errors import UnsupportedError
+    from lowdiff.storage.format import Shard
+
+    cfg = Config.from_dict({"run_dir": "r", "snapshot": {"every_steps": "auto"}})
+    with pytest.raises(UnsupportedError, match="auto"):
+        Checkpointer(cfg, "topk", Shard(0, 2))
+    assert Checkpointer(cfg, "topk").tuner is not None
+
+
+def test_writes_seen_together_are_split() -> None:
+    p = Profiler()
+    for _ in range(4):
+        p.on_writes(segments=1, segment_bytes=1e5, snapshots=0, snapshot_bytes=0, seconds=0.01, steps_per_segment=4)
+    p.on_writes(segments=2, segment_bytes=2e5, snapshots=1, snapshot_bytes=1e8, seconds=1.02, steps_per_segment=4)
+    assert p._snapshot_writes[-1] == (1e8, pytest.approx(1.0))
+    fresh = Profiler()  # no segment time known yet: split by bytes
+    fresh.on_writes(segments=1, segment_bytes=1e6, snapshots=1, snapshot_bytes=9e6, seconds=1.0, steps_per_segment=4)
+    assert fresh._snapshot_writes[-1] == (9e6, pytest.approx(0.9)) and fresh.diff_bytes() == pytest.approx(2.5e5)
