@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--bytes-only", action="store_true", help="skip the overhead runs")
     a = ap.parse_args()
     if a.worker:
         worker(a)
@@ -130,7 +131,7 @@ def main() -> None:
                     fair = row["total_bytes_per_step"] / n
                     row["max_rank_vs_fair_share"] = max(row["per_rank_bytes_per_step"]) / fair
                     row["total_vs_world1"] = row["total_bytes_per_step"] / sum(per_world[1])
-        for comp in COMPRESSORS:
+        for comp in () if a.bytes_only else COMPRESSORS:
             ranks = launch(2, tmp / f"o-{comp}", tmp / f"wo-{comp}", comp, a, True)
             rows = ranks[0]["rounds"]
             off = [max(r["rounds"][i]["step_s"] for r in ranks) for i, x in enumerate(rows) if x["mode"] == "off"]

@@ -70,7 +70,8 @@ class LowDiffOptimizer:
             except RuntimeError as e:
                 raise LowDiffError(f"cannot install lowdiff's DDP communication hook ({e}); lowdiff brings its own "
                                    "compression hook: do not register another one") from e
-        self._owned = self._owned_names()
+        self._owned = self._owned_names(self._state_nbytes)
+        self._owned_log = self._owned_names(self._payload_nbytes)
         self._leader = self._coord.rank == 0
         self._step = 0
         self._closed = False
@@ -255,7 +256,7 @@ class LowDiffOptimizer:
                     decoded = decode_payload(payload, p.shape)
                     if decoded is not g:
                         p.grad = decoded
-                if name in self._owned:
+                if name in self._owned_log:
                     grads[name] = payload
         groups = [_encode_group(g) for g in self.inner.param_groups]
         out = self.inner.step()
@@ -287,13 +288,20 @@ class LowDiffOptimizer:
                                    "GPU training drifts in the last bits); turn it off on GPUs")
         return ShadowReplica(self._spec.manifest, state, type(self.inner))
 
-    def _owned_names(self) -> set[str]:
-        """Parameter names this rank persists: a byte-balanced share of the optimized ones; rank 0 also
-        keeps the parameters no optimizer group holds (buffers are rank 0's too)."""
+    def _state_nbytes(self, p: torch.Tensor) -> int:
+        return p.numel() * p.element_size()
+
+    def _payload_nbytes(self, p: torch.Tensor) -> int:
+        return self.compressor.payload_nbytes(tuple(p.shape), p.element_size())
+
+    def _owned_names(self, size_of: Callable[[torch.Tensor], int]) -> set[str]:
+        """Parameter names this rank persists, a share balanced by ``size_of`` (snapshots: tensor bytes; log:
+        the compressor's payload bytes, which are not proportional to them); rank 0 also keeps the parameters
+        no optimizer group holds (buffers are rank 0's too)."""
         all_names = set(self._spec.params)
         if self._coord.world_size == 1:
             return all_names
-        sizes = {n: p.numel() * p.element_size() for n, p in self._spec.optimized}
+        sizes = {n: size_of(p) for n, p in self._spec.optimized}
         owned = set(partition_by_size(sizes, self._coord.world_size)[self._coord.rank])
         if self._coord.rank == 0:
             owned |= all_names - set(sizes)

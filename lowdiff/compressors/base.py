@@ -35,6 +35,13 @@ class Compressor(ABC):
         With ``comm`` the payload is the AGGREGATED one, identical on every rank: what all ranks consume
         (its decode, averaged over ranks) and what the log stores. ``grad`` is read, never written."""
 
+    def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        """Expected payload bytes per step for a parameter (used to balance sharded log writes)."""
+        n = 1
+        for s in shape:
+            n *= s
+        return n * itemsize
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter memory, keyed by parameter name; saved in every full snapshot."""
         return {}

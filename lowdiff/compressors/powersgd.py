@@ -85,6 +85,13 @@ class PowerSGDCompressor(Compressor):
             self._residual[fqn] = matrix - decode(p, q, (n, m))
         return {"p": p, "q": q}
 
+    def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        dims = factor_shapes(shape, self.rank)
+        if dims is None:
+            return super().payload_nbytes(shape, itemsize)
+        n, m, r = dims
+        return (n + m) * r * itemsize
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for fqn, q in self._q.items():

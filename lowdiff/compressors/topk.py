@@ -70,6 +70,9 @@ class TopKCompressor(Compressor):
         return merge_gathered(comm.all_gather(values), comm.all_gather(idx.to(torch.int32)), flat.numel(),
                               comm.world_size)
 
+    def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        return k_for(math.prod(shape), self.ratio) * (itemsize + 4)
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {fqn: {"residual": r} for fqn, r in self._residual.items()}
 

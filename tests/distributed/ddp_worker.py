@@ -38,10 +38,14 @@ def main() -> None:
     ap.add_argument("ref_out")
     ap.add_argument("--die-at", type=int, default=0, help="rank 1 exits abruptly at this step")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--continuous-rng", action="store_true",
+                    help="seed once before wrap and let resume() restore each rank's RNG (exact continuation)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
     model = make_model()
+    if args.continuous_rng:
+        torch.manual_seed(99 + rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt = lowdiff.wrap(inner, ddp, {
@@ -51,13 +55,16 @@ def main() -> None:
     })
     start = opt.resume() if args.resume else 0
     refs = []
-    torch.manual_seed(99 + rank + 1000 * start)
+    losses = []
+    if not args.continuous_rng:
+        torch.manual_seed(99 + rank + 1000 * start)
     for step in range(start + 1, args.steps + 1):
         if rank == 1 and step == args.die_at:
             os._exit(17)
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
+        losses.append((step, loss.item()))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0:
@@ -65,6 +72,7 @@ def main() -> None:
     opt.close()
     if rank == 0:
         torch.save(refs, args.ref_out)
+    torch.save(losses, f"{args.ref_out}.rank{rank}.losses")
     dist.barrier()
     dist.destroy_process_group()
 
