@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowdiff.config import Config
+from lowdiff.config import Config, resolve_codec
 from lowdiff.errors import CheckpointWriteError, UnsupportedError
 from lowdiff.profiler import AutoTuner
 from lowdiff.storage.atomic import clean_stale_tmp, write_json_atomic
-from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, Shard
+from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, UNSHARDED, Shard
 from lowdiff.storage.lock import WriterLock
 from lowdiff.storage.log_writer import BackgroundWriter, WriterStats
 from lowdiff.storage.segment import StepRecord
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Decides full vs differential per step and hands both to the background writer."""
 
-    def __init__(self, config: Config, compressor_name: str, shard: Shard = Shard()) -> None:
+    def __init__(self, config: Config, compressor_name: str, shard: Shard = UNSHARDED) -> None:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.compressor_name = compressor_name
@@ -62,7 +62,8 @@ class Checkpointer:
             self._seed_tuner()
         self._last_snapshot_step = self._batch_anchor = durable_step
         self._seen = WriterStats()  # the new writer counts from zero
-        self._writer = BackgroundWriter(self.run_dir, batch_steps=self.batch_steps, codec=cfg.log.codec,
+        codec = resolve_codec(cfg.log.codec, cfg.compressor.name)
+        self._writer = BackgroundWriter(self.run_dir, batch_steps=self.batch_steps, codec=codec,
                                         compressor=self.compressor_name, queue_depth=cfg.log.queue_depth,
                                         keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
                                         shard=self.shard, shadow=shadow)

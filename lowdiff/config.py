@@ -110,15 +110,16 @@ class LogConfig:
     batch_steps: int | str = 16
     """Steps per segment file; a crash loses at most this many unflushed steps. ``auto``: the tuner picks the
     smallest batch the writer sustains, raised only while that pays (docs/TUNER.md)."""
-    codec: str = "lz4"
-    """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle
-    first: pays for full float gradients, compressor none)."""
+    codec: str = "auto"
+    """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle first),
+    or auto: lz4 for topk/powersgd, none for compressor none (lz4 does not shrink float gradients, measured in
+    docs/codecs.md, and costs CPU on every full-gradient step)."""
     queue_depth: int = 4
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
-        _check_choice("log.codec", self.codec, CODECS)
+        _check_choice("log.codec", self.codec, (*CODECS, "auto"))
         _check_min_int("log.queue_depth", self.queue_depth, 1)
 
 
@@ -197,6 +198,13 @@ class Config:
         out = dataclasses.asdict(self)
         out["run_dir"] = str(self.run_dir)
         return out
+
+
+def resolve_codec(codec: str, compressor: str) -> str:
+    """The codec ``log.codec: auto`` stands for with this compressor."""
+    if codec != "auto":
+        return codec
+    return "none" if compressor == "none" else "lz4"
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:

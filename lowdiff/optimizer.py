@@ -14,18 +14,18 @@ import torch
 
 from lowdiff import rng as rng_state
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
 from lowdiff.compressors import decode_payload, make_compressor
-from lowdiff.config import Config, load_config
+from lowdiff.config import Config, load_config, resolve_codec
 from lowdiff.data import positions_of, restore_positions
+from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
 from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
 from lowdiff.recovery import recover
+from lowdiff.shadow import ShadowReplica
 from lowdiff.storage.atomic import fsync_dir
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
 from lowdiff.storage.segment import StepRecord
-from lowdiff.shadow import ShadowReplica
 from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
@@ -156,7 +156,7 @@ class LowDiffOptimizer:
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
         self._remember_buffers()
         state0 = self._capture(0)
-        write_snapshot(run_dir, state0, self.config.log.codec, ckpt.shard)
+        write_snapshot(run_dir, state0, resolve_codec(self.config.log.codec, self.config.compressor.name), ckpt.shard)
         self._coord.barrier("snapshot 0")
         if self._leader:
             write_manifest(run_dir, self._spec.manifest)

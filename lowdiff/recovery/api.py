@@ -47,7 +47,8 @@ class RecoveryReport:
         t = self.times
         lines = [
             f"recovered step {self.step} from snapshot {self.snapshot_step} + {self.steps_replayed} replayed steps",
-            f"  mode {self.mode}, workers {self.workers}, read {self.bytes_read / 1e6:.2f} MB, total {self.total_s:.2f} s",
+            f"  mode {self.mode}, workers {self.workers}, read {self.bytes_read / 1e6:.2f} MB, "
+            f"total {self.total_s:.2f} s",
             f"  load snapshot {t.load_snapshot_s:.2f} s, read {t.read_s:.2f} s, decode {t.decode_s:.2f} s, "
             f"apply {t.apply_s:.2f} s",
         ]

@@ -6,6 +6,7 @@ Errors a user can act on print one line and exit non-zero, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowdiff.config import resolve_codec
 from lowdiff.recovery.api import Recovered, recover
 from lowdiff.storage.format import encode_value, list_snapshots
 from lowdiff.storage.lock import WriterLock
@@ -38,7 +39,8 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
         rec = recover(root, step=step, workers=workers)
         wrote = False
         if rec.step not in list_snapshots(root):
-            codec = codec or str(manifest.config.get("log", {}).get("codec", "lz4"))
+            codec = codec or resolve_codec(str(manifest.config.get("log", {}).get("codec", "auto")),
+                                           str(manifest.config.get("compressor", {}).get("name", "none")))
             write_snapshot(root, snapshot_from_recovered(manifest, rec), codec)
             wrote = True
         removed = apply_retention(root, keep) if keep else []

@@ -226,7 +226,7 @@ class ContainerReader:
             raise CorruptFileError(f"{where}: damaged container ({e!r})") from e
         self._data = data_ds
         self.data_nbytes = int(data_ds.shape[0])
-        if not isinstance(doc, dict) or not isinstance(doc.get("meta"), dict) or not isinstance(doc.get("entries"), list):
+        if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and isinstance(doc.get("entries"), list)):
             raise CorruptFileError(f"{where}: index lacks meta/entries")
         self.meta: dict[str, Any] = doc["meta"]
         self.entries: dict[str, dict[str, Any]] = {}

@@ -23,8 +23,9 @@ TMP_SUFFIX = ".tmp"
 STEP_DIGITS = 10
 
 _SHARD = r"(?:\.shard-(\d{5})-of-(\d{5}))?"
-_SNAPSHOT_RE = re.compile(r"^step-(\d{%d})%s\.h5$" % (STEP_DIGITS, _SHARD))
-_SEGMENT_RE = re.compile(r"^steps-(\d{%d})-(\d{%d})%s\.h5$" % (STEP_DIGITS, STEP_DIGITS, _SHARD))
+_STEP = rf"(\d{{{STEP_DIGITS}}})"
+_SNAPSHOT_RE = re.compile(rf"^step-{_STEP}{_SHARD}\.h5$")
+_SEGMENT_RE = re.compile(rf"^steps-{_STEP}-{_STEP}{_SHARD}\.h5$")
 
 
 # The dtypes a run directory may hold; anything else is rejected when read.
@@ -69,11 +70,14 @@ def _base(name: str) -> str:
     return re.sub(r"\.shard-\d{5}-of-\d{5}", "", name)
 
 
-def snapshot_name(step: int, shard: Shard = Shard()) -> str:
+UNSHARDED = Shard()
+
+
+def snapshot_name(step: int, shard: Shard = UNSHARDED) -> str:
     return f"step-{step:0{STEP_DIGITS}d}{shard.suffix()}.h5"
 
 
-def segment_name(first_step: int, last_step: int, shard: Shard = Shard()) -> str:
+def segment_name(first_step: int, last_step: int, shard: Shard = UNSHARDED) -> str:
     return f"steps-{first_step:0{STEP_DIGITS}d}-{last_step:0{STEP_DIGITS}d}{shard.suffix()}.h5"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.storage.format import Shard
+from lowdiff.storage.format import UNSHARDED, Shard
 from lowdiff.storage.retention import apply_retention
 from lowdiff.storage.segment import StepRecord, write_segment
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -52,7 +52,7 @@ _CLOSE = object()
 
 class BackgroundWriter:
     def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 keep_snapshots: int, durable_step: int, shard: Shard = Shard(), shadow: Any = None) -> None:
+                 keep_snapshots: int, durable_step: int, shard: Shard = UNSHARDED, shadow: Any = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec

@@ -21,6 +21,7 @@ from lowdiff.errors import CorruptFileError
 from lowdiff.storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.storage.format import (
     LOG_DIR,
+    UNSHARDED,
     FileSet,
     Shard,
     check_shape,
@@ -57,7 +58,7 @@ class StepRecord:
 
 
 def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str,
-                  shard: Shard = Shard()) -> int:
+                  shard: Shard = UNSHARDED) -> int:
     first, last = records[0].step, records[-1].step
     if [r.step for r in records] != list(range(first, last + 1)):
         raise ValueError(f"segment steps must be consecutive, got {[r.step for r in records]}")

@@ -12,6 +12,7 @@ from lowdiff.errors import CorruptFileError
 from lowdiff.storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.storage.format import (
     SNAPSHOT_DIR,
+    UNSHARDED,
     FileSet,
     Shard,
     check_shape,
@@ -47,7 +48,7 @@ class SnapshotState:
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
 
 
-def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = Shard()) -> int:
+def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED) -> int:
     """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no
     longer mutates. With several shards each file holds part of the tensors and the same metadata."""
     entries: list[EntryIn] = []
