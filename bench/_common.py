@@ -1,0 +1,207 @@
+"""Helpers shared by the benchmarks: the model, machine facts, memory probes, output paths.
+
+Benchmarks print; the library never does. Everything here is measurement plumbing, not lowdiff code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/ on the path, not the repo root
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from examples.tinygpt import GPT  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    n_layer: int
+    d_model: int
+    n_head: int
+    batch: int
+    block: int
+    vocab: int = 256
+
+    def build(self, seed: int = 0) -> GPT:
+        torch.manual_seed(seed)
+        return GPT(vocab_size=self.vocab, n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model,
+                   block_size=self.block, dropout=0.0)
+
+    def batches(self, n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` fixed batches of real text (the stdlib sources), cycled by the benchmarks."""
+        from examples.tinygpt import StdlibText
+
+        data = StdlibText(max_bytes=1_000_000)
+        gen = torch.Generator().manual_seed(seed)
+        return [data.get_batch(self.batch, self.block, gen) for _ in range(n)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"n_layer": self.n_layer, "d_model": self.d_model, "n_head": self.n_head, "batch": self.batch,
+                "block": self.block, "vocab": self.vocab, "tokens_per_step": self.batch * self.block}
+
+
+# The real runs: ~10.8M parameters, 512 tokens per step. A ~50M GPT takes ~3 s per step on this shared 2-core
+# machine with one torch thread (19M: 0.6 s quiet, 1.6 s under the load other jobs put on it), which does not fit
+# the overhead benchmark's ~1000 interleaved steps in ~15 minutes.
+FULL_MODEL = ModelSpec(n_layer=6, d_model=384, n_head=6, batch=4, block=128)
+SMOKE_MODEL = ModelSpec(n_layer=2, d_model=64, n_head=4, batch=2, block=32)
+
+
+def train_step(model: torch.nn.Module, opt: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = batch
+    _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "lowdiff"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", False
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
+        "git_commit": commit, "lowdiff_dirty": dirty, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def maxrss_bytes(who: int = resource.RUSAGE_SELF) -> int:
+    """ru_maxrss in bytes. Beware: Linux carries it over fork + exec, so a child of a big process reports at least
+    its parent's RSS; :func:`peak_rss_bytes` does not have that problem."""
+    return resource.getrusage(who).ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process's address space (VmHWM): starts afresh at exec, unlike ru_maxrss."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return maxrss_bytes()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PssSampler:
+    """Samples the proportional set size (PSS) of this process plus all its descendants every ``period_s``.
+
+    PSS splits pages shared between a parent and forked workers, so the sum over processes is the real
+    footprint (summing RSS would count torch's shared libraries and copy-on-write pages once per process).
+    """
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s = period_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _total(self) -> int:
+        todo, seen, total = [os.getpid()], set(), 0
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            total += _pss_bytes(pid)
+            todo += _children(pid)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self._total())
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> PssSampler:
+        self.peak_bytes = self._total()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self._total())
+
+
+def run_probe(script: Path, args: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run ``script --probe ...`` in a fresh interpreter; it prints one JSON line last."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout_s,
+                       env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"probe {args} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def output_paths(out_dir: str | None, name: str) -> tuple[Path, Path, Path]:
+    """(json, markdown, png). Default: bench/results/NAME.json, docs/NAME.md, docs/NAME.png."""
+    if out_dir:
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        return d / f"{name}.json", d / f"{name}.md", d / f"{name}.png"
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "docs").mkdir(parents=True, exist_ok=True)
+    return ROOT / "bench" / "results" / f"{name}.json", ROOT / "docs" / f"{name}.md", ROOT / "docs" / f"{name}.png"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def mb(nbytes: float) -> float:
+    return nbytes / 1e6

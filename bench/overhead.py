@@ -1,0 +1,889 @@
+"""Overhead of checkpointing every iteration, against the same training without it and against full-checkpoint
+baselines (torch.save, CheckFreq-style async, torch.distributed.checkpoint async_save, naive differential).
+
+    python bench/overhead.py            # the real run (~15 min on 2 cores); writes bench/results, docs/
+    python bench/overhead.py --smoke --out-dir /tmp/x   # seconds; what tests/bench runs
+
+Protocol (one process, one model, one AdamW shared by every mode, so every mode trains the same tensors):
+  * every mode is warmed up, then R rounds. A round runs windows of consecutive training steps: plain training
+    (P) and every baseline X alternate, P X1 P X2 ... Xn P (the baselines' order rotates each round), and the
+    lowdiff modes run as adjacent pairs (C off, C on) for each compressor C, before or after that chain
+    (alternating by round). Step times are wall-clock per step (forward, backward, clipping, optimizer step,
+    checkpoint work on the training thread); process CPU time per window (all threads) is recorded too.
+  * a window's ratio = its mean step time / the mean step time of its reference measured next to it in time:
+    for a baseline, the mean of the two plain windows around it; for lowdiff with compressor C, the window of
+    lowdiff with C and ``enabled: false`` just before it (it compresses and decodes identically and writes
+    nothing, so compression cost is excluded). The shared machine's load drifts on a scale of seconds, so only
+    neighbouring windows are compared. The reported overhead is the median over rounds.
+  * checkpoint events are aligned with window starts (the k-step counter is 0 at a window start; the lowdiff
+    warm-up is W-1 steps for a lowdiff window of W steps, so its snapshot steps, multiples of
+    ``snapshot.every_steps``, start a window). When the interval k exceeds the window W, only some rounds hold
+    an event; the ratio is then stratified: (1 - W/k) * median(rounds without) + (W/k) * median(rounds with).
+  * background work (lowdiff's writer, CheckFreq's persist thread, DCP's upload) still running when a window
+    ends is waited for OUTSIDE the timed window (so it cannot slow the next window); that wait is reported, and
+    ``ratio_incl_drain`` charges it to the window as if it had blocked training (an upper bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODEL,
+    SMOKE_MODEL,
+    dir_bytes,
+    fsync_file,
+    machine_info,
+    maxrss_bytes,
+    mb,
+    median,
+    output_paths,
+    peak_rss_bytes,
+    run_probe,
+    train_step,
+    write_json,
+)
+
+import lowdiff  # noqa: E402
+import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
+from lowdiff.compressors.powersgd import factor_shapes  # noqa: E402
+from lowdiff.compressors.topk import k_for  # noqa: E402
+from lowdiff.storage.segment import write_segment  # noqa: E402
+
+TOPK_RATIO = 0.01
+# DCP without a process group warns on every call (also from its upload thread, where catch_warnings does not reach).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+PSGD_RANK = 4
+
+# -- instrumentation of lowdiff's segment writes (timing only; the library is not changed) ----------------------
+
+_SEGMENT_LOG: dict[str, list[tuple[int, float]]] = {}
+_LAST_RECORDS: dict[str, list[Any]] = {}
+_KEEP_RECORDS = 0
+
+
+def _timed_write_segment(run_dir: Path, records: list[Any], *args: Any, **kwargs: Any) -> int:
+    t0 = time.perf_counter()
+    n = write_segment(run_dir, records, *args, **kwargs)
+    dt = time.perf_counter() - t0
+    key = str(run_dir)
+    _SEGMENT_LOG.setdefault(key, []).append((n, dt))
+    if _KEEP_RECORDS:
+        kept = _LAST_RECORDS.setdefault(key, [])
+        kept.extend(records)
+        del kept[:-_KEEP_RECORDS]
+    return n
+
+
+log_writer_mod.write_segment = _timed_write_segment  # type: ignore[assignment]
+
+
+# -- modes ---------------------------------------------------------------------------------------------------------
+
+
+class Ctx:
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, work: Path) -> None:
+        self.model, self.inner, self.work = model, inner, work
+
+
+class Mode:
+    family = "plain"
+    ref = "plain"
+    k: int | None = None  # steps between checkpoint events (None: no events)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.compress_s = 0.0
+        self.warmup = 2
+        self.window = 1  # steps per timed window (set by build_modes)
+
+    def setup(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+
+    def step(self, batch: Any) -> bool:
+        """One training step; True when a checkpoint event happened in it."""
+        train_step(self.ctx.model, self.ctx.inner, batch)
+        return False
+
+    def start_timed(self) -> None:
+        """Called after warm-up: reset counters so events align with window starts."""
+
+    def end_window(self) -> float:
+        return 0.0
+
+    def bytes_written(self) -> int:
+        return 0
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class LowDiffMode(Mode):
+    family = "lowdiff"
+
+    def __init__(self, comp: str, enabled: bool, every: int, batch_steps: int, codec: str, align: int) -> None:
+        super().__init__(f"lowdiff-{comp}" + ("" if enabled else "-off"))
+        self.comp, self.enabled, self.every, self.batch_steps, self.codec = comp, enabled, every, batch_steps, codec
+        self.ref = f"lowdiff-{comp}-off" if enabled else "plain"
+        self.k = every if enabled else None
+        self.warmup = align - 1 if enabled else 2
+
+    def setup(self, ctx: Ctx) -> None:
+        super().setup(ctx)
+        self.run_dir = ctx.work / self.name
+        cfg = {"run_dir": str(self.run_dir), "enabled": self.enabled,
+               "compressor": {"name": self.comp, "ratio": TOPK_RATIO, "rank": PSGD_RANK},
+               "snapshot": {"every_steps": self.every}, "log": {"batch_steps": self.batch_steps, "codec": self.codec}}
+        t0 = time.perf_counter()
+        self.opt = lowdiff.wrap(ctx.inner, ctx.model, cfg)
+        self.wrap_s = time.perf_counter() - t0
+        orig = self.opt.compressor.compress
+
+        def timed(fqn: str, grad: torch.Tensor) -> Any:
+            t = time.perf_counter()
+            out = orig(fqn, grad)
+            self.compress_s += time.perf_counter() - t
+            return out
+
+        self.opt.compressor.compress = timed  # type: ignore[method-assign]
+
+    def step(self, batch: Any) -> bool:
+        train_step(self.ctx.model, self.opt, batch)
+        return self.enabled and self.opt.step_count % self.every == 0
+
+    def start_timed(self) -> None:
+        self.end_window()  # commit the warm-up's partial batch: segments then align with windows
+
+    def end_window(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.flush()
+        return time.perf_counter() - t0
+
+    def stats(self) -> Any:
+        return self.opt._checkpointer.stats if self.opt._checkpointer else None
+
+    def bytes_written(self) -> int:
+        st = self.stats()
+        return st.log_bytes + st.snapshot_bytes if st else 0
+
+    def info(self) -> dict[str, Any]:
+        st = self.stats()
+        return {"compressor": self.comp, "enabled": self.enabled, "snapshot_every_steps": self.every,
+                "batch_steps": self.batch_steps, "codec": self.codec,
+                "writer_stats": vars(st).copy() if st else None}
+
+    def close(self) -> None:
+        self.opt.close()
+
+
+class _IntervalMode(Mode):
+    """A baseline that checkpoints the full state every ``k`` steps."""
+
+    def __init__(self, family: str, k: int) -> None:
+        super().__init__(f"{family}-k{k}")
+        self.family, self.k = family, k
+        self.counter = 0
+        self.nbytes = 0
+        self.saves = 0
+
+    def setup(self, ctx: Ctx) -> None:
+        super().setup(ctx)
+        self.dir = ctx.work / self.name
+        self.dir.mkdir(parents=True)
+
+    def start_timed(self) -> None:
+        self.end_window()
+        self.counter = 0
+
+    def step(self, batch: Any) -> bool:
+        train_step(self.ctx.model, self.ctx.inner, batch)
+        event = self.counter % self.k == 0
+        self.counter += 1
+        if event:
+            self.checkpoint()
+            self.saves += 1
+        return event
+
+    def checkpoint(self) -> None:
+        raise NotImplementedError
+
+    def bytes_written(self) -> int:
+        return self.nbytes
+
+
+def _save_durably(obj: Any, path: Path) -> int:
+    """torch.save to a temporary name, fsync, rename: the durability lowdiff gives its files."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+class TorchSaveMode(_IntervalMode):
+    """Synchronous full checkpoint: torch.save(model + optimizer state) + fsync on the training thread."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__("torchsave", k)
+
+    def checkpoint(self) -> None:
+        self.nbytes += _save_durably({"model": self.ctx.model.state_dict(), "optim": self.ctx.inner.state_dict()},
+                                     self.dir / "ckpt.pt")
+
+
+def _clone_state(sd: Any) -> Any:
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: _clone_state(v) for k, v in sd.items()}
+    return copy.deepcopy(sd)
+
+
+def _copy_into(dst: Any, src: Any) -> Any:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+        return dst
+    if isinstance(src, dict):
+        return {k: _copy_into(dst[k], v) if k in dst else _clone_state(v) for k, v in src.items()}
+    return copy.deepcopy(src)
+
+
+class CheckFreqMode(_IntervalMode):
+    """CheckFreq-style: snapshot() copies the state into reused CPU buffers on the training thread, persist()
+    torch.saves them (+ fsync) in a background thread; at most one checkpoint in flight (the next snapshot
+    waits for the previous persist, since it reuses the buffers)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__("checkfreq", k)
+        self.buf: Any = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def checkpoint(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error:
+            raise self.error
+        state = {"model": self.ctx.model.state_dict(), "optim": self.ctx.inner.state_dict()}
+        self.buf = _clone_state(state) if self.buf is None else _copy_into(self.buf, state)
+        self.thread = threading.Thread(target=self._persist, args=(self.buf,), daemon=True)
+        self.thread.start()
+
+    def _persist(self, buf: Any) -> None:
+        try:
+            n = _save_durably(buf, self.dir / "ckpt.pt")
+            with self._lock:
+                self.nbytes += n
+        except BaseException as e:  # surfaced at the next checkpoint
+            self.error = e
+
+    def end_window(self) -> float:
+        t0 = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+        return time.perf_counter() - t0
+
+
+class DCPMode(_IntervalMode):
+    """torch.distributed.checkpoint.async_save without a process group (single process), one in flight."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__("dcp", k)
+        self.pending: Any = None
+        self.pending_dir: Path | None = None
+
+    def checkpoint(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self._wait()
+        msd, osd = get_state_dict(self.ctx.model, self.ctx.inner)
+        target = self.dir / f"ckpt{self.saves % 2}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            resp = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(target))
+        self.pending = getattr(resp, "upload_completion", resp)
+        self.pending_dir = target
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            assert self.pending_dir is not None
+            self.nbytes += dir_bytes(self.pending_dir)
+            self.pending = None
+
+    def end_window(self) -> float:
+        t0 = time.perf_counter()
+        self._wait()
+        return time.perf_counter() - t0
+
+
+class NaiveDiffMode(_IntervalMode):
+    """Naive differential checkpoint: Top-k 1 % (per tensor) of the parameter change since the previous
+    checkpoint, computed on the training thread, plus the full optimizer state, torch.save'd + fsync'd."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__("naivediff", k)
+
+    def setup(self, ctx: Ctx) -> None:
+        super().setup(ctx)
+        self.prev = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+
+    def checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        deltas = {}
+        with torch.no_grad():
+            for n, p in self.ctx.model.named_parameters():
+                d = (p - self.prev[n]).reshape(-1)
+                idx = torch.topk(d.abs(), k_for(d.numel(), TOPK_RATIO), sorted=False).indices
+                deltas[n] = (d[idx], idx.to(torch.int32))
+                self.prev[n].copy_(p)
+        self.compress_s += time.perf_counter() - t0
+        self.nbytes += _save_durably({"delta": deltas, "optim": self.ctx.inner.state_dict()}, self.dir / "diff.pt")
+
+
+def dcp_available() -> tuple[bool, str]:
+    try:
+        import torch.distributed.checkpoint as dcp
+
+        if not hasattr(dcp, "async_save"):
+            return False, "torch.distributed.checkpoint has no async_save in this torch"
+        with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resp = dcp.async_save({"x": torch.zeros(4)}, checkpoint_id=d)
+            getattr(resp, "upload_completion", resp).result()
+        return True, "dcp.async_save works single-process without init_process_group (no_dist inferred)"
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return False, f"dcp.async_save failed without a process group: {e!r}"
+
+
+def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
+                batch_steps: dict[str, int], with_dcp: bool) -> list[Mode]:
+    modes: list[Mode] = [Mode("plain")]
+    for comp in ("topk", "powersgd", "none"):
+        modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window))
+        modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window))
+    for k in ks:
+        modes.append(TorchSaveMode(k))
+        modes.append(CheckFreqMode(k))
+        if with_dcp:
+            modes.append(DCPMode(k))
+        modes.append(NaiveDiffMode(k))
+    for m in modes:
+        m.window = ld_window if m.family == "lowdiff" else window
+    if names:
+        keep = set(names) | {"plain"} | {m.ref for m in modes if m.name in names}
+        modes = [m for m in modes if m.name in keep]
+    return modes
+
+
+def payload_bytes_per_step(model: torch.nn.Module, comp: str) -> int:
+    total = 0
+    for _, p in model.named_parameters():
+        if comp == "topk":
+            total += k_for(p.numel(), TOPK_RATIO) * (p.element_size() + 4)  # values + int32 indices
+        elif comp == "powersgd":
+            dims = factor_shapes(p.shape, PSGD_RANK)
+            total += p.numel() * p.element_size() if dims is None else (dims[0] + dims[1]) * dims[2] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+# -- statistics ------------------------------------------------------------------------------------------------------
+
+
+def iqr(xs: list[float]) -> list[float] | None:
+    if len(xs) < 4:
+        return None
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
+
+
+def stratified(ratios: list[float], events: list[int], k: int | None, s: int) -> tuple[float, str]:
+    """Median ratio, weighting rounds with and without an event by how often they occur in a long run."""
+    if k is None or k <= s:
+        return median(ratios), "median over all rounds"
+    with_ev = [r for r, e in zip(ratios, events) if e]
+    without = [r for r, e in zip(ratios, events) if not e]
+    w = s / k
+    if not with_ev or not without:
+        return median(ratios), f"INCOMPLETE: {len(with_ev)} rounds with an event, {len(without)} without"
+    return (1 - w) * median(without) + w * median(with_ev), (
+        f"stratified: {1 - w:.2f} x median of {len(without)} rounds without + {w:.2f} x median of "
+        f"{len(with_ev)} round(s) with a checkpoint event")
+
+
+# -- the benchmark ----------------------------------------------------------------------------------------------------
+
+
+def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) -> dict[str, Any]:
+    """Re-write the last captured records of each lowdiff mode with lowdiff's write_segment, interleaved with a
+    raw os.write + fsync of the same number of bytes (the committed file's content), medians of ``reps``."""
+    out: dict[str, Any] = {}
+    for m in modes:
+        if not isinstance(m, LowDiffMode) or not m.enabled:
+            continue
+        recs = _LAST_RECORDS.get(str(m.run_dir), [])
+        if not recs:
+            continue
+        per = max(1, recs[-1].payload_nbytes)
+        n = max(1, min(len(recs), max_bytes // per))
+        recs = recs[-n:]
+        scratch = work / f"bw-{m.name}"
+        (scratch / "log").mkdir(parents=True, exist_ok=True)
+        res: dict[str, Any] = {"steps_per_segment": n, "payload_bytes": sum(r.payload_nbytes for r in recs)}
+        samples: dict[str, list[float]] = {}
+        sizes: dict[str, int] = {}
+        for _ in range(reps):
+            for codec in ("lz4", "none"):
+                t0 = time.perf_counter()
+                nbytes = write_segment(scratch, recs, codec, m.comp)
+                samples.setdefault(f"lowdiff_{codec}_s", []).append(time.perf_counter() - t0)
+                sizes[codec] = nbytes
+                seg = next((scratch / "log").iterdir())
+                data = seg.read_bytes()
+                seg.unlink()
+                raw = scratch / "raw.bin"
+                t0 = time.perf_counter()
+                fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                samples.setdefault(f"raw_{codec}_s", []).append(time.perf_counter() - t0)
+                raw.unlink()
+                del data
+        for codec in ("lz4", "none"):
+            lo, raw_s = median(samples[f"lowdiff_{codec}_s"]), median(samples[f"raw_{codec}_s"])
+            res[codec] = {"segment_bytes": sizes[codec], "lowdiff_write_s": lo, "raw_write_fsync_s": raw_s,
+                          "lowdiff_MBps": mb(sizes[codec]) / lo, "raw_MBps": mb(sizes[codec]) / raw_s,
+                          "bandwidth_ratio": raw_s / lo,
+                          "payload_MBps_lowdiff": mb(res["payload_bytes"]) / lo,
+                          "samples": samples}
+        out[m.name] = res
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+def run_probe_mode(args: argparse.Namespace) -> None:
+    """``--probe MODE``: fresh process, train a few steps of one mode, print peak RSS as JSON."""
+    torch.set_num_threads(args.threads)
+    spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+    every = 2  # a full snapshot is in flight during the probe, as it is every `snapshot.every_steps` in training
+    modes = build_modes(None, [1], every, 1, 1, args.codec, _batch_steps(args), with_dcp=True)
+    mode = next(m for m in modes if m.name == args.probe)
+    work = Path(tempfile.mkdtemp(prefix="lowdiff-probe-", dir=args.work_dir))
+    try:
+        model = spec.build()
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        batches = spec.batches(2)
+        mode.setup(Ctx(model, inner, work))
+        for i in range(args.probe_steps):
+            mode.step(batches[i % 2])
+        mode.end_window()
+        mode.close()
+        print(json.dumps({"mode": mode.name, "peak_rss_bytes": peak_rss_bytes(), "maxrss_bytes": maxrss_bytes()}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure_memory(args: argparse.Namespace, every: int, with_dcp: bool) -> dict[str, Any]:
+    memory: dict[str, Any] = {
+        "method": "peak RSS (VmHWM from /proc/self/status; psutil is not installed, and ru_maxrss carries the "
+                  "parent's RSS over fork+exec) of a fresh process per mode that builds the model and trains a few "
+                  "steps of that mode (k=1; lowdiff with a snapshot every 2 steps, so a snapshot is in flight as it "
+                  "is every snapshot.every_steps in training)",
+        "peak_rss_bytes": {}}
+    names = ["plain", "lowdiff-topk"] if args.smoke else \
+        [m.name for m in build_modes(None, [1], every, 1, 1, args.codec, _batch_steps(args), with_dcp)]
+    for name in names:
+        r = run_probe(Path(__file__), ["--probe", name, "--threads", str(args.threads), "--codec", args.codec,
+                                       "--batch-steps", str(args.batch_steps),
+                                       "--batch-steps-none", str(args.batch_steps_none),
+                                       "--probe-steps", "3" if args.smoke else "6",
+                                       *(["--smoke"] if args.smoke else [])], timeout_s=600)
+        memory["peak_rss_bytes"][name] = r["peak_rss_bytes"]
+        print(f"  peak RSS {name}: {mb(r['peak_rss_bytes']):.0f} MB", flush=True)
+    return memory
+
+
+def attach_memory(results: dict[str, Any], memory: dict[str, Any]) -> None:
+    peaks = memory.get("peak_rss_bytes", {})
+    for mname, res in results.items():
+        probe_name = mname if res["family"] in ("plain", "lowdiff") else f"{res['family']}-k1"
+        if probe_name in peaks and "plain" in peaks:
+            res["peak_rss_bytes"] = peaks[probe_name]
+            res["peak_rss_over_plain_bytes"] = peaks[probe_name] - peaks["plain"]
+
+
+def memory_only(args: argparse.Namespace) -> None:
+    """Re-measure peak memory for an existing overhead.json (its timing results are kept) and re-render."""
+    json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+    out = json.loads(json_path.read_text())
+    pr = out["protocol"]
+    memory = measure_memory(args, pr["lowdiff_snapshot_every_steps"], any(m.startswith("dcp-") for m in out["modes"]))
+    memory["measured_separately_by"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+    memory["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    out["memory"] = memory
+    attach_memory(out["modes"], memory)
+    write_json(json_path, out)
+    write_markdown(md_path, out)
+    plot(png_path, out)
+    print(f"overhead: memory re-measured -> {json_path}, {md_path}", flush=True)
+
+
+def _batch_steps(args: argparse.Namespace) -> dict[str, int]:
+    return {"topk": args.batch_steps, "powersgd": args.batch_steps, "none": args.batch_steps_none}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 short rounds: finishes in seconds")
+    ap.add_argument("--out-dir", help="write overhead.json/.md/.png here instead of bench/results and docs/")
+    ap.add_argument("--work-dir", default=None, help="where checkpoints are written (default: system tmp)")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--window", type=int, help="steps per window of plain and the baselines (default 5)")
+    ap.add_argument("--lowdiff-window", type=int, help="steps per window of the lowdiff modes (default 10)")
+    ap.add_argument("--ks", help="comma-separated checkpoint intervals for the baselines (default 1,10,50)")
+    ap.add_argument("--snapshot-every", type=int, help="lowdiff snapshot.every_steps (default 50)")
+    ap.add_argument("--batch-steps", type=int, default=2, help="lowdiff log.batch_steps for topk/powersgd")
+    ap.add_argument("--batch-steps-none", type=int, default=1, help="log.batch_steps for compressor none")
+    ap.add_argument("--codec", default="lz4")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see docs)")
+    ap.add_argument("--modes", help="comma-separated subset of modes (plus their references)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-RSS subprocesses")
+    ap.add_argument("--bw-reps", type=int)
+    ap.add_argument("--render-only", action="store_true", help="re-render .md and .png from an existing overhead.json")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only re-measure peak memory into an existing overhead.json (timings are kept)")
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-steps", type=int, default=6, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        run_probe_mode(args)
+        return
+    if args.memory_only:
+        memory_only(args)
+        return
+    if args.render_only:
+        json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+        out = json.loads(json_path.read_text())
+        write_markdown(md_path, out)
+        plot(png_path, out)
+        return
+
+    torch.set_num_threads(args.threads)
+    spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+    rounds = args.rounds or (2 if args.smoke else 6)
+    s = args.window or (2 if args.smoke else 5)
+    s_ld = args.lowdiff_window or (2 if args.smoke else 10)
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.smoke else [1, 10, 50])
+    every = args.snapshot_every or (4 if args.smoke else 50)
+    bw_reps = args.bw_reps or (1 if args.smoke else 5)
+    for k, w in [*((k, s) for k in ks), (every, s_ld)]:
+        if (k > w and k % w) or (k <= w and w % k):
+            ap.error(f"interval {k} and window {w}: one must divide the other (events must start windows)")
+    if every < s_ld * rounds and not args.smoke:
+        print(f"note: lowdiff snapshot every {every} steps; it lands in round {every // s_ld - 1}", flush=True)
+    for b in (args.batch_steps, args.batch_steps_none):
+        if s_ld % b:
+            ap.error(f"batch steps {b} must divide --lowdiff-window {s_ld}")
+    global _KEEP_RECORDS
+    _KEEP_RECORDS = s_ld
+    json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+    notes: list[str] = []
+    with_dcp, dcp_note = dcp_available()
+    notes.append(dcp_note)
+    t_start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="lowdiff-overhead-", dir=args.work_dir))
+    info = machine_info()
+    print(f"overhead: model {spec}, {rounds} rounds, windows {s}/{s_ld} steps, ks {ks}, work dir {work}", flush=True)
+    try:
+        model = spec.build()
+        inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        nparams = sum(p.numel() for p in model.parameters())
+        batches = spec.batches(8)
+        ctx = Ctx(model, inner, work)
+        modes = build_modes(args.modes.split(",") if args.modes else None, ks, every, s, s_ld, args.codec,
+                            _batch_steps(args), with_dcp)
+        train_step(model, inner, batches[0])  # AdamW state exists before anyone snapshots it
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        state_bytes += sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
+                           if isinstance(v, torch.Tensor))
+        gi = 0
+        for m in modes:
+            m.setup(ctx)
+            for _ in range(m.warmup):
+                m.step(batches[gi % len(batches)])
+                gi += 1
+            m.start_timed()
+        print(f"  setup + warm-up {time.perf_counter() - t_start:.0f} s", flush=True)
+        gc.collect()
+        gc.freeze()  # a full collection walks torch's huge module graph (~0.4 s); keep it out of the timed steps
+        bytes0 = {m.name: m.bytes_written() for m in modes}
+        comp0 = {m.name: m.compress_s for m in modes}
+        seg0 = {k: len(v) for k, v in _SEGMENT_LOG.items()}
+        plain = next(m for m in modes if m.name == "plain")
+        baselines = [m for m in modes if m.family not in ("plain", "lowdiff")]
+        ld_pairs = [m for m in modes if m.family == "lowdiff"]  # (off, on) per compressor, in that order
+
+        def run_window(m: Mode) -> dict[str, Any]:
+            nonlocal gi
+            n = m.window
+            times, events = [], 0
+            c0 = time.process_time()
+            for _ in range(n):
+                b = batches[gi % len(batches)]
+                gi += 1
+                t0 = time.perf_counter()
+                events += m.step(b)
+                times.append(time.perf_counter() - t0)
+            cpu = time.process_time() - c0
+            wait = m.end_window()
+            return {"mode": m.name, "mean_step_s": sum(times) / n, "cpu_step_s": cpu / n, "step_s": times,
+                    "events": events, "drain_s": wait, "t_s": time.perf_counter() - t_start}
+
+        windows: list[list[dict[str, Any]]] = []  # per round, in execution order
+        for r in range(rounds):
+            rot = baselines[r % max(len(baselines), 1):] + baselines[: r % max(len(baselines), 1)]
+            seq: list[Mode] = [plain]
+            for m in rot:
+                seq += [m, plain]  # every baseline window sits between two plain windows
+            seq = seq + ld_pairs if r % 2 == 0 else ld_pairs + seq
+            windows.append([run_window(m) for m in seq])
+            pl = [w["mean_step_s"] for w in windows[-1] if w["mode"] == "plain"]
+            print(f"  round {r + 1}/{rounds} done at {time.perf_counter() - t_start:.0f} s; plain "
+                  f"{median(pl):.3f} s/step (median of {len(pl)} windows)", flush=True)
+        total_steps = {m.name: 0 for m in modes}
+        for rw in windows:
+            for w in rw:
+                total_steps[w["mode"]] += len(w["step_s"])
+        # Per mode and round: ratio to the reference measured closest in time.
+        ratios: dict[str, dict[str, list[float]]] = {m.name: {"wall": [], "cpu": [], "drain": [], "plain": [],
+                                                               "events": []} for m in modes}
+        for rw in windows:
+            plain_wall = median([w["mean_step_s"] for w in rw if w["mode"] == "plain"])
+            plain_cpu = median([w["cpu_step_s"] for w in rw if w["mode"] == "plain"])
+            for i, w in enumerate(rw):
+                m = next(x for x in modes if x.name == w["mode"])
+                if m.family == "lowdiff" and m.ref != "plain":
+                    refs = [rw[i - 1]]  # its enabled:false twin, the window just before
+                    assert refs[0]["mode"] == m.ref
+                elif m.family != "plain" and m.family != "lowdiff":
+                    refs = [x for x in (rw[i - 1], rw[i + 1] if i + 1 < len(rw) else None) if x and
+                            x["mode"] == "plain"]
+                else:
+                    refs = []
+                ref_wall = sum(x["mean_step_s"] for x in refs) / len(refs) if refs else plain_wall
+                ref_cpu = sum(x["cpu_step_s"] for x in refs) / len(refs) if refs else plain_cpu
+                n = len(w["step_s"])
+                d = ratios[m.name]
+                d["wall"].append(w["mean_step_s"] / ref_wall)
+                d["cpu"].append(w["cpu_step_s"] / ref_cpu)
+                d["drain"].append((w["mean_step_s"] * n + w["drain_s"]) / (ref_wall * n))
+                d["plain"].append(w["mean_step_s"] / plain_wall)
+                d["events"].append(w["events"])
+        results: dict[str, Any] = {}
+        for m in modes:
+            d = ratios[m.name]
+            mine = [w for rw in windows for w in rw if w["mode"] == m.name]
+            if m.name == "plain":
+                d = {k: [1.0] * len(mine) if k != "events" else [0] * len(mine) for k in d}
+            ev = d["events"]
+            ratio, how = stratified(d["wall"], ev, m.k, m.window)
+            res: dict[str, Any] = {
+                "family": m.family, "k": m.k, "reference": m.ref, "window_steps": m.window,
+                "ratio": ratio, "ratio_iqr": iqr(d["wall"]) if not m.k or m.k <= m.window else None,
+                "ratio_incl_drain": stratified(d["drain"], ev, m.k, m.window)[0],
+                "ratio_cpu": stratified(d["cpu"], ev, m.k, m.window)[0],
+                "ratio_vs_plain": stratified(d["plain"], ev, m.k, m.window)[0], "statistic": how,
+                "median_step_s": median([w["mean_step_s"] for w in mine]),
+                "bytes_per_step": (m.bytes_written() - bytes0[m.name]) / total_steps[m.name],
+                "compress_s_per_step": (m.compress_s - comp0[m.name]) / total_steps[m.name],
+                "drain_s_per_window": median([w["drain_s"] for w in mine]),
+                "round_ratios": d["wall"], "round_ratios_cpu": d["cpu"], "windows": mine, **m.info(),
+            }
+            if isinstance(m, LowDiffMode):
+                res["payload_bytes_per_step"] = payload_bytes_per_step(model, m.comp)
+                if m.enabled:
+                    st = m.stats()
+                    segs = _SEGMENT_LOG.get(str(m.run_dir), [])[seg0.get(str(m.run_dir), 0):]
+                    res["log_bytes_per_step"] = None
+                    res["segments_in_training"] = [{"bytes": n, "write_s": dt} for n, dt in segs]
+                    if segs:
+                        nb, ts = sum(n for n, _ in segs), sum(dt for _, dt in segs)
+                        res["log_bytes_per_step"] = nb / total_steps[m.name]
+                        res["segment_MBps_in_training"] = mb(nb) / ts if ts else None
+                    res["blocked_s_total"] = st.blocked_s if st else None
+            if isinstance(m, _IntervalMode):
+                res["saves"] = m.saves
+                res["bytes_per_save"] = m.bytes_written() / max(m.saves, 1)
+            results[m.name] = res
+        print(f"  rounds done at {time.perf_counter() - t_start:.0f} s; bandwidth test", flush=True)
+        bandwidth = measure_bandwidth(modes, work, bw_reps, max_bytes=64 << 20)
+        for m in modes:
+            m.close()
+        shutil.rmtree(work, ignore_errors=True)
+        memory = {"skipped": True} if args.no_memory else measure_memory(args, every, with_dcp)
+        attach_memory(results, memory)
+        out = {
+            "benchmark": "overhead", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "machine": info, "model": {**spec.as_dict(), "params": nparams, "state_bytes_model_plus_adam": state_bytes},
+            "protocol": {"rounds": rounds, "window_steps": s, "lowdiff_window_steps": s_ld, "ks": ks,
+                         "lowdiff_snapshot_every_steps": every,
+                         "lowdiff_batch_steps": _batch_steps(args), "codec": args.codec, "torch_threads": args.threads,
+                         "optimizer": "AdamW(lr=3e-4), clip_grad_norm 1.0", "topk_ratio": TOPK_RATIO,
+                         "powersgd_rank": PSGD_RANK},
+            "modes": results, "bandwidth": bandwidth, "memory": memory, "notes": notes,
+            "runtime_s": time.perf_counter() - t_start, "loadavg_end": os.getloadavg(),
+        }
+        write_json(json_path, out)
+        write_markdown(md_path, out)
+        plot(png_path, out)
+        print(f"overhead: done in {out['runtime_s']:.0f} s -> {json_path}, {md_path}, {png_path}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- reporting ----------------------------------------------------------------------------------------------------
+
+
+def _pct(r: float | None) -> str:
+    return "n/a" if r is None or (isinstance(r, float) and math.isnan(r)) else f"{(r - 1) * 100:+.1f} %"
+
+
+CAVEATS = [
+    "Shared machine: other jobs load the 2 cores (load averages in the header), so wall-clock ratios carry "
+    "roughly +-10-20 % noise per round (per-round ratios are in the JSON) and overheads below ~10 % are not "
+    "resolvable here; the CPU-time ratio is steadier. One torch thread trains, so one core is nominally free for "
+    "background writers, but other jobs compete for it.",
+    "Tokens per step are few (CPU training), so per-step checkpoint costs weigh more than with realistic batches.",
+    "Peak RSS of k=10 and k=50 is that of k=1 (one checkpoint in flight either way).",
+]
+
+
+def _iqr(q: list[float] | None) -> str:
+    return "-" if not q else f"{(q[0] - 1) * 100:+.0f} .. {(q[1] - 1) * 100:+.0f} %"
+
+
+def write_markdown(path: Path, out: dict[str, Any]) -> None:
+    mdl, pr = out["model"], out["protocol"]
+    lines = [
+        "# Checkpointing overhead",
+        "",
+        f"Generated by `{out['command']}` on {out['machine']['date']} (git {out['machine']['git_commit'][:10]}); "
+        f"{out['machine']['cpu_count']} CPUs, torch {out['machine']['torch']}, {pr['torch_threads']} torch thread(s); "
+        f"runtime {out['runtime_s']:.0f} s; load average at start {out['machine']['loadavg_start'][0]:.1f}, "
+        f"at end {out['loadavg_end'][0]:.1f} (shared machine).",
+        "",
+        f"Model: GPT, {mdl['n_layer']} layers, d_model {mdl['d_model']}, {mdl['params'] / 1e6:.1f} M parameters, "
+        f"batch {mdl['batch']} x {mdl['block']} tokens, {pr['optimizer']}, CPU. Model + AdamW state: "
+        f"{mb(mdl['state_bytes_model_plus_adam']):.0f} MB.",
+        "",
+        f"Protocol: {pr['rounds']} rounds; in each, windows of {pr['window_steps']} steps of plain training and of "
+        f"each baseline alternate (P X1 P X2 ... P), and each lowdiff mode runs {pr['lowdiff_window_steps']} steps "
+        "right after its `enabled: false` twin; one process, one shared model (see the docstring of "
+        "bench/overhead.py). Overhead = median over rounds of (window mean step time / mean step time of its "
+        "reference measured next to it), stratified by rounds with and without a checkpoint event when the "
+        "interval exceeds the window. The reference of `lowdiff-C` is `lowdiff-C-off` (same compressor, "
+        "`enabled: false`), so compression cost is excluded; every other reference is `plain`. 'incl. drain' also "
+        "charges the wait for background work still pending at the end of a window (an upper bound). 'CPU' is "
+        "the same ratio on process CPU time (all threads, so background work counts in full; waiting on the disk "
+        "does not). Peak RSS: " + out["memory"].get("method", "not measured") + ".",
+        "",
+        "| mode | k | overhead vs ref | IQR over rounds | ref | incl. drain | CPU | vs plain | bytes/step | "
+        "payload/step | peak RSS over plain | compress/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in out["modes"].items():
+        if name == "plain":
+            continue
+        rss = r.get("peak_rss_over_plain_bytes")
+        payload = r.get("payload_bytes_per_step")
+        k = f"1 (snapshot every {r['k']})" if r["family"] == "lowdiff" and r["k"] else (r["k"] or "-")
+        lines.append(
+            f"| {name} | {k} | {_pct(r['ratio'])} | {_iqr(r.get('ratio_iqr'))} | {r['reference']} | "
+            f"{_pct(r['ratio_incl_drain'])} | {_pct(r.get('ratio_cpu'))} | {_pct(r['ratio_vs_plain'])} | "
+            f"{mb(r['bytes_per_step']):.2f} MB | "
+            f"{'-' if payload is None else f'{mb(payload):.2f} MB'} | "
+            f"{'-' if rss is None else f'{mb(rss):.0f} MB'} | {r['compress_s_per_step'] * 1e3:.1f} ms |")
+    lines += ["", f"Plain training: median {out['modes']['plain']['median_step_s']:.3f} s per step.", ""]
+    if out["bandwidth"]:
+        lines += ["## Segment write bandwidth", "",
+                  "lowdiff's `write_segment` (encode, HDF5 container, pwrite, fsync, rename, directory fsync) on the "
+                  "last records captured in training, interleaved with a raw `os.write` + `fsync` of the same "
+                  "bytes; medians.", "",
+                  "| mode | steps/segment | codec | segment | lowdiff | raw write+fsync | lowdiff / raw |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, b in out["bandwidth"].items():
+            for codec in ("lz4", "none"):
+                c = b[codec]
+                lines.append(f"| {name} | {b['steps_per_segment']} | {codec} | {mb(c['segment_bytes']):.1f} MB | "
+                             f"{c['lowdiff_MBps']:.0f} MB/s | {c['raw_MBps']:.0f} MB/s | {c['bandwidth_ratio']:.2f} |")
+        lines.append("")
+    lines += ["## Notes", ""] + [f"- {n}" for n in CAVEATS + out["notes"]] + [""]
+    path.write_text("\n".join(lines))
+
+
+def plot(path: Path, out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, key, what in ((axes[0], "ratio", "wall-clock step time"), (axes[1], "ratio_cpu", "process CPU time")):
+        fams: dict[str, list[tuple[int, float]]] = {}
+        for r in out["modes"].values():
+            if r["family"] not in ("plain", "lowdiff") and r["k"] and r.get(key) is not None:
+                fams.setdefault(r["family"], []).append((r["k"], (r[key] - 1) * 100))
+        for fam, pts in sorted(fams.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{fam} every k (vs plain)")
+        for name, r in out["modes"].items():
+            if r["family"] == "lowdiff" and r.get("enabled") and r.get(key) is not None:
+                ax.plot([1], [(r[key] - 1) * 100], "*", markersize=14,
+                        label=f"{name} every step (vs {r['reference']})")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ks = sorted({r["k"] for r in out["modes"].values() if r["family"] not in ("plain", "lowdiff") and r["k"]})
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("checkpoint interval k (steps)")
+        ax.set_title(f"overhead in {what}", fontsize=10)
+    axes[0].set_ylabel("overhead (%)")
+    axes[1].legend(fontsize=7)
+    mdl = out["model"]
+    fig.suptitle(f"Checkpoint overhead, GPT {mdl['params'] / 1e6:.1f}M, {mdl['tokens_per_step']} tokens/step, CPU; "
+                 f"median of {out['protocol']['rounds']} interleaved rounds on a shared 2-core machine", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
