@@ -7,14 +7,15 @@ baselines (torch.save, CheckFreq-style async, torch.distributed.checkpoint async
 Protocol (one process, one model, one AdamW shared by every mode, so every mode trains the same tensors):
   * every mode is warmed up, then R rounds. A round runs windows of consecutive training steps: plain training
     (P) and every baseline X alternate, P X1 P X2 ... Xn P (the baselines' order rotates each round), and the
-    lowdiff modes run as adjacent pairs (C off, C on) for each compressor C, before or after that chain
-    (alternating by round). Step times are wall-clock per step (forward, backward, clipping, optimizer step,
+    lowdiff modes run as (C off, C on, C off) for each compressor C, before or after that chain (alternating
+    by round). Step times are wall-clock per step (forward, backward, clipping, optimizer step,
     checkpoint work on the training thread); process CPU time per window (all threads) is recorded too.
   * a window's ratio = its mean step time / the mean step time of its reference measured next to it in time:
-    for a baseline, the mean of the two plain windows around it; for lowdiff with compressor C, the window of
-    lowdiff with C and ``enabled: false`` just before it (it compresses and decodes identically and writes
-    nothing, so compression cost is excluded). The shared machine's load drifts on a scale of seconds, so only
-    neighbouring windows are compared. The reported overhead is the median over rounds.
+    for a baseline, the mean of the two plain windows around it; for lowdiff with compressor C, the mean of the
+    two windows of lowdiff with C and ``enabled: false`` around it (the lowdiff block of a round is
+    off-on-off per compressor; the disabled twin compresses and decodes identically and writes nothing, so
+    compression cost is excluded; both twins get the same warm-up). The shared machine's load drifts on a
+    scale of seconds, so only neighbouring windows are compared. The reported overhead is the median over rounds.
   * checkpoint events are aligned with window starts (the k-step counter is 0 at a window start; the lowdiff
     warm-up is W-1 steps for a lowdiff window of W steps, so its snapshot steps, multiples of
     ``snapshot.every_steps``, start a window). When the interval k exceeds the window W, only some rounds hold
@@ -146,7 +147,7 @@ class LowDiffMode(Mode):
         self.comp, self.enabled, self.every, self.batch_steps, self.codec = comp, enabled, every, batch_steps, codec
         self.ref = f"lowdiff-{comp}-off" if enabled else "plain"
         self.k = every if enabled else None
-        self.warmup = align - 1 if enabled else 2
+        self.warmup = align - 1  # the same for both twins: a fresh Top-k compressor is slower for ~20 steps
 
     def setup(self, ctx: Ctx) -> None:
         super().setup(ctx)
@@ -651,6 +652,9 @@ def main() -> None:
         plain = next(m for m in modes if m.name == "plain")
         baselines = [m for m in modes if m.family not in ("plain", "lowdiff")]
         ld_pairs = [m for m in modes if m.family == "lowdiff"]  # (off, on) per compressor, in that order
+        ld_block: list[Mode] = []
+        for off, on in zip(ld_pairs[::2], ld_pairs[1::2]):
+            ld_block += [off, on, off]  # every enabled window sits between two windows of its enabled:false twin
 
         def run_window(m: Mode) -> dict[str, Any]:
             nonlocal gi
@@ -674,7 +678,7 @@ def main() -> None:
             seq: list[Mode] = [plain]
             for m in rot:
                 seq += [m, plain]  # every baseline window sits between two plain windows
-            seq = seq + ld_pairs if r % 2 == 0 else ld_pairs + seq
+            seq = seq + ld_block if r % 2 == 0 else ld_block + seq
             windows.append([run_window(m) for m in seq])
             pl = [w["mean_step_s"] for w in windows[-1] if w["mode"] == "plain"]
             print(f"  round {r + 1}/{rounds} done at {time.perf_counter() - t_start:.0f} s; plain "
@@ -691,12 +695,12 @@ def main() -> None:
             plain_cpu = median([w["cpu_step_s"] for w in rw if w["mode"] == "plain"])
             for i, w in enumerate(rw):
                 m = next(x for x in modes if x.name == w["mode"])
-                if m.family == "lowdiff" and m.ref != "plain":
-                    refs = [rw[i - 1]]  # its enabled:false twin, the window just before
-                    assert refs[0]["mode"] == m.ref
-                elif m.family != "plain" and m.family != "lowdiff":
-                    refs = [x for x in (rw[i - 1], rw[i + 1] if i + 1 < len(rw) else None) if x and
-                            x["mode"] == "plain"]
+                is_baseline = m.family not in ("plain", "lowdiff")
+                is_enabled_lowdiff = m.family == "lowdiff" and m.ref != "plain"
+                if is_baseline or is_enabled_lowdiff:
+                    # the reference windows right before and after (plain, or the enabled:false twin)
+                    refs = [x for x in (rw[i - 1] if i else None, rw[i + 1] if i + 1 < len(rw) else None)
+                            if x and x["mode"] == m.ref]
                 else:
                     refs = []
                 ref_wall = sum(x["mean_step_s"] for x in refs) / len(refs) if refs else plain_wall
@@ -807,7 +811,7 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         "",
         f"Protocol: {pr['rounds']} rounds; in each, windows of {pr['window_steps']} steps of plain training and of "
         f"each baseline alternate (P X1 P X2 ... P), and each lowdiff mode runs {pr['lowdiff_window_steps']} steps "
-        "right after its `enabled: false` twin; one process, one shared model (see the docstring of "
+        "between two windows of its `enabled: false` twin; one process, one shared model (see the docstring of "
         "bench/overhead.py). Overhead = median over rounds of (window mean step time / mean step time of its "
         "reference measured next to it), stratified by rounds with and without a checkpoint event when the "
         "interval exceeds the window. The reference of `lowdiff-C` is `lowdiff-C-off` (same compressor, "
