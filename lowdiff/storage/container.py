@@ -148,7 +148,8 @@ def verify_trailer(path: Path) -> None:
         magic, hdf5_size, data_offset, data_len, crc = _TRAILER.unpack(os.pread(fd, _TRAILER.size,
                                                                                  size - _TRAILER.size))
         if magic != _TRAILER_MAGIC or hdf5_size != size - _TRAILER.size or data_offset + data_len > hdf5_size:
-            raise CorruptFileError(f"{path}: missing or damaged lowdiff trailer (file truncated or damaged)")
+            raise CorruptFileError(f"{path}: missing or damaged lowdiff trailer: the file is truncated or damaged, "
+                                   "or was written by a pre-release lowdiff (format version 1, no trailer)")
         if _meta_crc(fd, hdf5_size, data_offset, data_len) != crc:
             raise CorruptFileError(f"{path}: HDF5 metadata checksum mismatch (file damaged)")
     except CorruptFileError as e:

@@ -14,7 +14,7 @@ import torch
 from lowdiff.errors import CorruptFileError
 
 FORMAT_NAME = "lowdiff"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
 MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
