@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.config import Config, resolve_codec
-from lowdiff.errors import CheckpointWriteError, UnsupportedError
+from lowdiff.errors import UnsupportedError
 from lowdiff.profiler import AutoTuner
 from lowdiff.storage.atomic import clean_stale_tmp, write_json_atomic
 from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, UNSHARDED, Shard
@@ -34,7 +34,6 @@ class Checkpointer:
         self.shard = shard
         self._writer: BackgroundWriter | None = None
         self._lock: WriterLock | None = None
-        self._disabled_by_error = False
         # snapshot.every_steps / log.batch_steps "auto": measured online, solved by lowdiff.tuner (docs/TUNER.md).
         self.tuner = AutoTuner.from_config(config)
         if self.tuner is not None and shard.count > 1:
@@ -99,7 +98,7 @@ class Checkpointer:
 
         Never raises a background failure: the step has already been applied, and step() reports failures
         before the next inner step, so an exception always means "this step did not happen"."""
-        if self._writer is None or self._disabled_by_error:
+        if self._writer is None:
             return
         prof = self.tuner.profiler if self.tuner is not None else None
         if prof is not None:
@@ -173,10 +172,6 @@ class Checkpointer:
             except OSError as e:
                 log.warning("lowdiff: could not record the tuner's decision in %s: %s", path, e)
 
-    def snapshot_now(self, state: SnapshotState) -> None:
-        assert self._writer is not None
-        self._writer.submit_snapshot(state)
-
     def check(self) -> None:
         """Raise (or warn about) a failure of the background writer in the calling thread."""
         if self._writer is None:
@@ -212,5 +207,3 @@ def _state_nbytes(state: SnapshotState) -> int:
     tensors += [v for st in state.compressor_state.values() for v in st.values()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
-
-__all__ = ["Checkpointer", "CheckpointWriteError", "WriterLock"]

@@ -47,12 +47,6 @@ def chains(run_dir: Path, exclude: frozenset[Path] = frozenset()) -> list[Chain]
     return out
 
 
-def latest_step(run_dir: Path) -> int | None:
-    """The newest step some snapshot plus contiguous log reaches (None: no snapshot at all)."""
-    cs = chains(run_dir)
-    return max((c.end for c in cs), default=None)
-
-
 def candidates_for(run_dir: Path, target: int | None, exclude: frozenset[Path] = frozenset()
                    ) -> tuple[int, list[Chain]]:
     """(target, chains able to reach it, newest snapshot first); raises if none can."""
