@@ -126,6 +126,7 @@ class BackgroundWriter:
                 self._write_batch()
                 item.done.set()
             elif isinstance(item, StepRecord):
+                item.wait_ready()
                 if self.shadow_ok:
                     self._apply_shadow(item)
                 if self._broken:
@@ -134,6 +135,7 @@ class BackgroundWriter:
                 if len(self._batch) >= self.batch_steps:
                     self._write_batch()
             elif isinstance(item, SnapshotState):
+                item.wait_ready()
                 self._write_snapshot(item)
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:

@@ -46,6 +46,13 @@ class SnapshotState:
     """JSON: e.g. "data" (data positions by tracked name), "compacted"."""
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
+    ready: Any = None
+    """As StepRecord.ready: the device-to-host copies of a GPU snapshot complete at this event."""
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED) -> int:
