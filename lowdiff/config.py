@@ -22,6 +22,7 @@ from lowdiff.errors import ConfigError
 COMPRESSORS = ("topk", "powersgd", "none")
 CODECS = ("none", "lz4", "zstd", "shuffle-lz4", "shuffle-zstd")
 ON_WRITE_ERROR = ("raise", "warn")
+CAPTURES = ("auto", "layerwise", "step")
 AUTO = "auto"
 """The value of ``snapshot.every_steps`` / ``log.batch_steps`` that hands the knob to the tuner."""
 
@@ -116,11 +117,17 @@ class LogConfig:
     1.02x the raw Top-k/PowerSGD payload with lz4 (docs/overhead.md), so compressing only costs CPU."""
     queue_depth: int = 4
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
+    capture: str = "auto"
+    """compressor none: when the gradient is copied off the device. ``layerwise``: a post-accumulate-grad hook
+    copies each gradient as backward finishes it (on a GPU the copy overlaps the rest of backward); ``step``:
+    all at once in step(); ``auto``: layerwise on a GPU, step on the CPU (where a copy cannot overlap
+    anything). A gradient changed after its hook ran (clipping, accumulation) is copied again in step()."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
         _check_choice("log.codec", self.codec, (*CODECS, "auto"))
         _check_min_int("log.queue_depth", self.queue_depth, 1)
+        _check_choice("log.capture", self.capture, CAPTURES)
 
 
 @dataclass(frozen=True, kw_only=True)

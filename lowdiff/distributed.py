@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowdiff.compressors import Compressor, Payload, decode_payload
+from lowdiff.compressors import Compressor, Payload
 from lowdiff.errors import LowDiffError
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def lowdiff_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
         name = state.names.get(id(p))
         if name is None:
             raise LowDiffError("DDP bucket holds a parameter lowdiff does not know; wrap the same model")
-        payload = state.compressor.compress(name, grad, state.comm)
-        grad.copy_(decode_payload(payload, p.shape))
+        payload, decoded = state.compressor.compress_decode(name, grad, state.comm)
+        grad.copy_(decoded)
         state.payloads[name] = payload
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from lowdiff import rng as rng_state
+from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.compressors import decode_payload, make_compressor
+from lowdiff.compressors import make_compressor
 from lowdiff.config import Config, load_config, resolve_codec
 from lowdiff.data import positions_of, restore_positions
 from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
@@ -22,6 +23,7 @@ from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
 from lowdiff.recovery import recover
 from lowdiff.shadow import ShadowReplica
+from lowdiff.staging import Stager
 from lowdiff.storage.atomic import fsync_dir
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
@@ -30,21 +32,6 @@ from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
 log = logging.getLogger(__name__)
-
-
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
-
-
-def _owned_cpu(t: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
-    """A CPU tensor nothing else will write to. A payload field that shares memory with the parameter's
-    ``.grad`` (the identity compressor's payload, PowerSGD's uncompressed 1-D tensors) is copied: the user may
-    zero that gradient in place (``zero_grad(set_to_none=False)``) before the writer has persisted it."""
-    if t.device.type != "cpu":
-        return t.detach().cpu()
-    if grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
-        return t.detach().clone()
-    return t.detach()
 
 
 class LowDiffOptimizer:
@@ -81,6 +68,11 @@ class LowDiffOptimizer:
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
+        self._stager = Stager(self._spec.params.values())
+        self._layerwise: LayerwiseCapture | None = None
+        if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config, self._stager):
+            self._layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log],
+                                               self._stager)
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
             shard = Shard(self._coord.rank, self._coord.world_size)
@@ -156,6 +148,7 @@ class LowDiffOptimizer:
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
         self._remember_buffers()
         state0 = self._capture(0)
+        state0.wait_ready()
         write_snapshot(run_dir, state0, resolve_codec(self.config.log.codec, self.config.compressor.name), ckpt.shard)
         self._coord.barrier("snapshot 0")
         if self._leader:
@@ -247,34 +240,69 @@ class LowDiffOptimizer:
                 if g.is_sparse:
                     raise UnsupportedError(f"parameter {name!r} has a sparse gradient; lowdiff logs dense ones")
                 if aggregated is not None:
-                    payload = aggregated.get(name)  # type: ignore[assignment]
+                    payload = aggregated.get(name)
                     if payload is None:
                         raise LowDiffError(f"parameter {name!r} has a gradient DDP's communication hook did not "
                                            "aggregate this step (accumulating outside no_sync()?)")
                 else:
-                    payload = self.compressor.compress(name, g)
-                    decoded = decode_payload(payload, p.shape)
-                    if decoded is not g:
+                    payload, decoded = self.compressor.compress_decode(name, g)
+                    if not _same_tensor(decoded, g):
                         p.grad = decoded
                 if name in self._owned_log:
                     grads[name] = payload
+        record = None
+        if self._checkpointer is not None:
+            # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
+            record = self._stage_record(grads)
         groups = [_encode_group(g) for g in self.inner.param_groups]
         out = self.inner.step()
         apply_s = time.perf_counter() - t_apply  # compress+decode+step: the tuner's replay-cost estimate
         step = self._step + 1
         self._step = step
-        if self._checkpointer is not None:
-            record = StepRecord(
-                step=step, groups=groups,
-                grads={n: {f: _owned_cpu(t, self._spec.params[n].grad) for f, t in pl.items()}
-                       for n, pl in grads.items()},
-                buffers=self._changed_buffers() if self._leader else {},
-                # Captured after the inner step: what the next forward (step + 1) starts from.
-                rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
-                data=positions_of(self._tracked),
-            )
+        if record is not None:
+            assert self._checkpointer is not None
+            record.step, record.groups = step, groups
+            # Captured after the inner step: what the next forward (step + 1) starts from.
+            record.rng = rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
+            record.data = positions_of(self._tracked)
             self._checkpointer.on_step(record, lambda: self._capture(step), apply_s=apply_s)
         return out
+
+    def _stage_record(self, grads: dict[str, dict[str, torch.Tensor]]) -> StepRecord:
+        """The step's payloads and changed buffers as owned host tensors (on a GPU: copies in flight)."""
+        captured = self._layerwise.take() if self._layerwise is not None else {}
+        names: list[tuple[str, str]] = []
+        tensors: list[torch.Tensor] = []
+        live: list[bool] = []
+        staged: dict[str, dict[str, torch.Tensor]] = {n: {} for n in grads}
+        for n, payload in grads.items():
+            grad = self._spec.params[n].grad
+            for f, t in payload.items():
+                hit = captured.get(n)
+                if hit is not None and hit[0] is t:
+                    staged[n][f] = hit[1]  # copied by the hook during backward, unchanged since
+                    continue
+                names.append((n, f))
+                tensors.append(t)
+                # A payload sharing memory with .grad (compressor none, PowerSGD's 1-D tensors) is live: the user
+                # may zero that gradient in place (zero_grad(set_to_none=False)) before the writer reads it.
+                live.append(grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
+        buffers = self._changed_buffers() if self._leader else {}
+        for n, t in buffers.items():
+            names.append(("", n))
+            tensors.append(t)
+            live.append(False)  # a clone kept in _buffer_last, replaced (never changed) when the buffer changes
+        hooked = self._layerwise.ready() if self._layerwise is not None else None
+        host, ready = self._stager.stage(tensors, live)
+        out_buffers = {}
+        for (n, f), t in zip(names, host):
+            if n:
+                staged[n][f] = t
+            else:
+                out_buffers[f] = t
+        # One side stream: a later event also covers the copies the hooks queued before it.
+        ready = ready if ready is not None else hooked
+        return StepRecord(step=0, groups=[], grads=staged, buffers=out_buffers, ready=ready)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -318,32 +346,39 @@ class LowDiffOptimizer:
             t = slot.get()
             last = self._buffer_last.get(slot.name)
             if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
-                self._buffer_last[slot.name] = t.detach().clone()
-                changed[slot.name] = _cpu_copy(t)
+                self._buffer_last[slot.name] = changed[slot.name] = t.detach().clone()
         return changed
 
     def _capture(self, step: int) -> SnapshotState:
-        """Copy the full state off the live tensors (the snapshot phase); persisting happens in background."""
+        """Copy the full state off the live tensors (the snapshot phase); persisting happens in background. On a
+        GPU the copies are in flight when this returns (``SnapshotState.ready``)."""
         sd = self.inner.state_dict()
         order = [n for n, _ in self._spec.optimized]
         owned = self._owned
-        opt_state = {order[i]: {k: _cpu_copy(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-                     for i, st in sd["state"].items() if order[i] in owned}
+        opt_state = {order[i]: dict(st) for i, st in sd["state"].items() if order[i] in owned}
         groups = []
         for names, g in zip(self._spec.manifest.param_groups, self.inner.param_groups):
             groups.append(_encode_group(g) | {"params": names})
-        return SnapshotState(
+        state = SnapshotState(
             step=step,
-            params={n: _cpu_copy(p) for n, p in self._spec.params.items() if n in owned},
-            buffers={s.name: _cpu_copy(s.get()) for s in self._spec.buffers} if self._leader else {},
+            params={n: p.detach() for n, p in self._spec.params.items() if n in owned},
+            buffers={s.name: s.get().detach() for s in self._spec.buffers} if self._leader else {},
             optimizer_state=opt_state,
             param_groups=groups,
             compressor_name=self.compressor.name,
-            compressor_state={n: {k: _cpu_copy(v) for k, v in st.items()}
-                              for n, st in self.compressor.state_dict().items() if n in owned},
+            compressor_state={n: dict(st) for n, st in self.compressor.state_dict().items() if n in owned},
             rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
             extra={"data": positions_of(self._tracked)},
         )
+        # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
+        slots: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
+        slots += [(state.buffers, n) for n in state.buffers]
+        for d in (*state.optimizer_state.values(), *state.compressor_state.values()):
+            slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
+        host, state.ready = self._stager.stage([d[k] for d, k in slots], [True] * len(slots))
+        for (d, k), t in zip(slots, host):
+            d[k] = t
+        return state
 
 
 def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -351,6 +386,16 @@ def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
         return {k: encode_value(v) for k, v in group.items() if k != "params"}
     except TypeError as e:
         raise UnsupportedError(f"an optimizer group hyperparameter cannot be logged: {e}") from e
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b`` or a same-shaped view of the same memory (the identity compressor's decode)."""
+    return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def _wants_layerwise(config: Config, stager: Stager) -> bool:
+    mode = config.log.capture
+    return mode == "layerwise" or (mode == "auto" and stager.asynchronous)
 
 
 def _to_device(state: dict[str, dict[str, torch.Tensor]], device: str) -> dict[str, dict[str, torch.Tensor]]:

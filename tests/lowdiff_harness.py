@@ -104,16 +104,26 @@ def make_model(kind: str, seed: int) -> nn.Module:
     raise ValueError(kind)
 
 
-def loss_for(kind: str, model: nn.Module, step: int, seed: int) -> torch.Tensor:
+def loss_for(kind: str, model: nn.Module, step: int, seed: int, device: str = "cpu") -> torch.Tensor:
     """Seed the RNG from (seed, step) — batch AND dropout mask — then compute the loss."""
     torch.manual_seed(seed * 100_003 + step)
     if kind == "tied":
-        tokens = torch.randint(0, 11, (16,))
-        target = torch.randint(0, 11, (16,))
+        tokens = torch.randint(0, 11, (16,)).to(device)
+        target = torch.randint(0, 11, (16,)).to(device)
         return F.cross_entropy(model(tokens, step), target)
-    x = torch.randn(16, 6)
-    y = torch.randn(16, 3)
+    x = torch.randn(16, 6).to(device)
+    y = torch.randn(16, 3).to(device)
     return ((model(x, step) - y) ** 2).mean()
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
 
 
 # --- optimizers and schedulers -------------------------------------------------------------------------------
@@ -177,13 +187,17 @@ class Scenario:
     every_steps: int = 5
     codec: str = "none"
     seed: int = 0
+    device: str = "cpu"
+    capture: str = "auto"
+    accumulate: int = 1
+    """Micro-batches per step (gradient accumulation)."""
 
     def config(self, run_dir: str | Path) -> dict[str, Any]:
         return {
             "run_dir": str(run_dir),
             "compressor": {"name": self.compressor, "ratio": self.ratio, "rank": self.rank},
             "snapshot": {"every_steps": self.every_steps},
-            "log": {"batch_steps": self.batch_steps, "codec": self.codec},
+            "log": {"batch_steps": self.batch_steps, "codec": self.codec, "capture": self.capture},
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,13 +219,16 @@ class Trainer:
     refs: dict[int, State] = field(default_factory=dict)
 
     def record(self, step: int) -> None:
-        self.refs[step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.inner.state_dict()))
+        self.refs[step] = (_to_cpu(copy.deepcopy(self.model.state_dict())),
+                           _to_cpu(copy.deepcopy(self.inner.state_dict())))
 
     def step(self, step: int) -> None:
         s = self.scenario
         with single_threaded():
-            loss = loss_for(s.model, self.model, step, s.seed)
-            loss.backward()
+            if s.accumulate == 1:
+                loss_for(s.model, self.model, step, s.seed, s.device).backward()
+            for micro in range(s.accumulate if s.accumulate > 1 else 0):
+                (loss_for(s.model, self.model, step * 16 + micro, s.seed, s.device) / s.accumulate).backward()
             if s.clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 0.05)
             self.opt.step()
@@ -231,7 +248,7 @@ class Trainer:
 
 def start(scenario: Scenario, run_dir: str | Path, *, resume: bool = True) -> Trainer:
     """Build model/optimizer/scheduler from the scenario and wrap them; resume() unless told not to."""
-    model = make_model(scenario.model, scenario.seed)
+    model = make_model(scenario.model, scenario.seed).to(scenario.device)
     inner = make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
     sched = make_scheduler(inner) if scenario.scheduler else None
     opt = lowdiff.wrap(inner, model, scenario.config(run_dir))

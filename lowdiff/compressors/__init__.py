@@ -28,11 +28,15 @@ PAYLOAD_FIELDS: tuple[frozenset[str], ...] = (
 )
 
 
-def decode_payload(payload: Mapping[str, torch.Tensor], shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """The dense gradient a payload stands for, with the parameter's ``shape``. Pure and deterministic."""
+def decode_payload(payload: Mapping[str, torch.Tensor], shape: torch.Size | tuple[int, ...], *,
+                   trusted: bool = False) -> torch.Tensor:
+    """The dense gradient a payload stands for, with the parameter's ``shape``. Pure and deterministic.
+
+    ``trusted``: the payload was just produced by a compressor, not read from a file; skips the checks of
+    index ranges that would each cost a device synchronization on a GPU. The result is the same."""
     keys = frozenset(payload)
     if keys == PAYLOAD_FIELDS[0]:
-        return topk.decode(payload["values"], payload["indices"], shape)
+        return topk.decode(payload["values"], payload["indices"], shape, check_range=not trusted)
     if keys == PAYLOAD_FIELDS[1]:
         return powersgd.decode(payload["p"], payload["q"], shape)
     if keys == PAYLOAD_FIELDS[2]:

@@ -35,6 +35,14 @@ class Compressor(ABC):
         With ``comm`` the payload is the AGGREGATED one, identical on every rank: what all ranks consume
         (its decode, averaged over ranks) and what the log stores. ``grad`` is read, never written."""
 
+    def compress_decode(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> tuple[Payload, torch.Tensor]:
+        """``compress`` and the dense gradient the payload stands for (``decode_payload``'s bits), in one go so
+        a compressor that computes the decode anyway (PowerSGD, for its residual) does not compute it twice."""
+        from lowdiff.compressors import decode_payload
+
+        payload = self.compress(fqn, grad, comm)
+        return payload, decode_payload(payload, grad.shape, trusted=True)
+
     def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         """Expected payload bytes per step for a parameter (used to balance sharded log writes)."""
         n = 1

@@ -54,6 +54,15 @@ class PowerSGDCompressor(Compressor):
         return torch.randn(m, r, generator=gen).to(device=like.device, dtype=like.dtype)
 
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
+        return self._compress(fqn, grad, comm, want_decoded=False)[0]
+
+    def compress_decode(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> tuple[Payload, torch.Tensor]:
+        payload, decoded = self._compress(fqn, grad, comm, want_decoded=True)
+        assert decoded is not None
+        return payload, decoded
+
+    def _compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None,
+                  want_decoded: bool) -> tuple[Payload, torch.Tensor | None]:
         world = 1 if comm is None else comm.world_size
         dims = factor_shapes(grad.shape, self.rank)
         if dims is None:
@@ -61,7 +70,7 @@ class PowerSGDCompressor(Compressor):
             if comm is not None and world > 1:
                 comm.allreduce_sum_(full)
                 full.div_(world)
-            return {"full": full}
+            return {"full": full}, full
         n, m, r = dims
         residual = self._residual.get(fqn) if self.error_feedback else None
         matrix = grad.reshape(n, m)
@@ -81,9 +90,12 @@ class PowerSGDCompressor(Compressor):
             comm.allreduce_sum_(q)
             q.div_(world)
         self._q[fqn] = q.clone()
+        # decode() with the parameter's own shape gives these bits too (it reshapes the same (n, m) product).
+        decoded = decode(p, q, (n, m)) if (self.error_feedback or want_decoded) else None
         if self.error_feedback:
-            self._residual[fqn] = matrix - decode(p, q, (n, m))
-        return {"p": p, "q": q}
+            assert decoded is not None
+            self._residual[fqn] = matrix - decoded
+        return {"p": p, "q": q}, (decoded.reshape(grad.shape) if decoded is not None else None)
 
     def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         dims = factor_shapes(shape, self.rank)

@@ -1,6 +1,6 @@
 """Top-k sparsification per tensor with error feedback.
 
-Selection is exact (the k largest |g|), but on large tensors it first keeps only candidates above a
+Selection is exact (the k largest |g|), but on large CPU tensors it first keeps only candidates above a
 threshold estimated from a small sample, because ``torch.topk`` over tens of millions of elements dominates
 a CPU iteration. If the estimate keeps fewer than k candidates the full ``torch.topk`` runs instead.
 """
@@ -29,7 +29,8 @@ def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = 
     mag = flat.abs()
     if k >= n:
         return torch.arange(n, device=flat.device)
-    if n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
+    # On a GPU torch.topk is fast, and the sampled path's candidate count would synchronize with the host.
+    if flat.device.type == "cpu" and n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
         sample_idx = torch.randint(0, n, (_SAMPLE_SIZE,), device=flat.device, generator=generator)
         sample = mag[sample_idx]
         # Aim for ~2k candidates so one pass almost always has at least k.
@@ -93,12 +94,13 @@ def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], nume
     return {"values": dense[union], "indices": union.to(torch.int32)}
 
 
-def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...],
+           check_range: bool = True) -> torch.Tensor:
     """Dense gradient from Top-k values and flat indices (shared by training and recovery)."""
     numel = math.prod(int(s) for s in shape)
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise CorruptFileError(f"top-k payload has {values.numel()} values but {indices.numel()} indices")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+    if check_range and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
         raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     # Indices are unique (one selection per tensor, or coalesced across ranks), so the scatter is exact.

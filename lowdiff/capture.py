@@ -1,0 +1,84 @@
+"""Layer-wise gradient capture (LowDiff+): copy each gradient off the device as soon as backward finishes it.
+
+A post-accumulate-grad hook stages the parameter's ``.grad`` (lowdiff.staging): on a GPU a non-blocking copy
+into pinned memory on the side stream, so the copies of the last layers run while backward still computes
+the first ones, and by the end of backward the differential is (nearly) on the host. ``step()`` then uses a
+captured copy only if it is still the gradient being stepped: the same tensor, not changed in place since
+(its version counter). Anything that changes gradients after backward (clipping, a further micro-batch of
+gradient accumulation, a user hook) makes the capture stale, and ``step()`` copies that gradient again, so the
+log always holds exactly the gradient the optimizer consumed. When every capture of several steps in a row
+went stale, the hooks only cost copies: they are removed and gradients are copied in step() from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lowdiff.staging import Stager
+
+log = logging.getLogger(__name__)
+
+# Steps in a row whose captures were all stale before the hooks are removed.
+STALE_STEPS_LIMIT = 3
+
+
+class LayerwiseCapture:
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: Stager) -> None:
+        self._stager = stager
+        self._captured: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._event: Any = None
+        self.hits = 0
+        self.misses = 0
+        self._stale_steps = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(name)) for name, p in params]
+
+    def _hook_for(self, name: str) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            g = param.grad
+            if g is None or g.is_sparse:
+                return
+            # Not "live": the copy reads the gradient itself. If backward or the user changes it before step(),
+            # its version moves and step() copies it again; step() also makes the training stream wait for these
+            # copies before anything can change the gradient afterwards (see ready()).
+            (host,), self._event = self._stager.stage([g], [False])
+            if host is g:  # CPU: stage() hands back the tensor itself; the capture must own a copy
+                host = g.detach().clone()
+            self._captured[name] = (g, g._version, host)
+
+        return hook
+
+    def take(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (gradient tensor captured, host copy)}`` for captures still valid; clears them all."""
+        out = {}
+        for name, (g, version, host) in self._captured.items():
+            if g._version == version:
+                out[name] = (g, host)
+        self.hits += len(out)
+        self.misses += len(self._captured) - len(out)
+        self._stale_steps = self._stale_steps + 1 if (self._captured and not out) else 0
+        self._captured = {}
+        if self._stale_steps >= STALE_STEPS_LIMIT and self.active:
+            log.info("lowdiff: gradients changed after backward in %d steps in a row (clipping? accumulation?); "
+                     "layer-wise capture is off, gradients are copied in step()", STALE_STEPS_LIMIT)
+            self.remove()
+        return out
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def ready(self) -> Any:
+        """The event the last capture completes at; the training stream waits for it (on the GPU) so that
+        nothing changes a captured gradient while its copy is still reading it."""
+        event, self._event = self._event, None
+        if event is not None and self._stager.device is not None:
+            torch.cuda.current_stream(self._stager.device).wait_event(event)
+        return event
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
