@@ -1,8 +1,9 @@
 """Layer-wise gradient capture (LowDiff+): copy each gradient off the device as soon as backward finishes it.
 
-A post-accumulate-grad hook stages the parameter's ``.grad`` (lowdiff.staging): on a GPU a non-blocking copy
-into pinned memory on the side stream, so the copies of the last layers run while backward still computes
-the first ones, and by the end of backward the differential is (nearly) on the host. ``step()`` then uses a
+A post-accumulate-grad hook collects each final ``.grad`` and stages them (lowdiff.staging) in buckets of
+BUCKET_BYTES: on a GPU a non-blocking copy into pinned memory on the side stream, so the copies of the last
+layers run while backward still computes the first ones, and by the end of backward the differential is
+(nearly) on the host. ``step()`` then uses a
 captured copy only if it is still the gradient being stepped: the same tensor, not changed in place since
 (its version counter). Anything that changes gradients after backward (clipping, a further micro-batch of
 gradient accumulation, a user hook) makes the capture stale, and ``step()`` copies that gradient again, so the
@@ -23,12 +24,17 @@ log = logging.getLogger(__name__)
 
 # Steps in a row whose captures were all stale before the hooks are removed.
 STALE_STEPS_LIMIT = 3
+# Gradients are staged in buckets of at least this many bytes, in the order backward finishes them (as DDP
+# buckets its all-reduces): one concatenation and one copy per bucket instead of several CUDA calls per tensor.
+BUCKET_BYTES = 16 << 20
 
 
 class LayerwiseCapture:
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: Stager) -> None:
         self._stager = stager
         self._captured: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._pending: list[tuple[str, torch.Tensor, int]] = []
+        self._pending_bytes = 0
         self._event: Any = None
         self.hits = 0
         self.misses = 0
@@ -40,18 +46,26 @@ class LayerwiseCapture:
             g = param.grad
             if g is None or g.is_sparse:
                 return
-            # Not "live": the copy reads the gradient itself. If backward or the user changes it before step(),
-            # its version moves and step() copies it again; step() also makes the training stream wait for these
-            # copies before anything can change the gradient afterwards (see ready()).
-            (host,), self._event = self._stager.stage([g], [False])
-            if host is g:  # CPU: stage() hands back the tensor itself; the capture must own a copy
-                host = g.detach().clone()
-            self._captured[name] = (g, g._version, host)
+            self._pending.append((name, g, g._version))
+            self._pending_bytes += g.numel() * g.element_size()
+            if self._pending_bytes >= BUCKET_BYTES:
+                self._stage_pending()
 
         return hook
 
+    def _stage_pending(self) -> None:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        # live=True: on the CPU each capture must own a copy; on a GPU the concatenation is the private copy.
+        hosts, event = self._stager.stage([g for _, g, _ in pending], [True] * len(pending))
+        if event is not None:
+            self._event = event
+        for (name, g, version), host in zip(pending, hosts):
+            self._captured[name] = (g, version, host)
+
     def take(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{name: (gradient tensor captured, host copy)}`` for captures still valid; clears them all."""
+        """``{name: (gradient tensor captured, host copy)}`` for captures still valid; clears them all. Gradients
+        of the last, partial bucket are left to step(), which stages them with the rest of the step."""
+        self._pending, self._pending_bytes = [], 0
         out = {}
         for name, (g, version, host) in self._captured.items():
             if g._version == version:
