@@ -33,6 +33,8 @@ from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
 log = logging.getLogger(__name__)
 
+BACKPRESSURE_REPORT_S = 5.0
+
 
 class LowDiffOptimizer:
     """Drop-in for the wrapped optimizer: ``step``, ``zero_grad``, ``param_groups`` and ``state`` behave as the
@@ -65,6 +67,7 @@ class LowDiffOptimizer:
         self._buffer_last: dict[str, torch.Tensor] = {}
         self._needs_resume = False
         self._tracked: dict[str, Any] = {}
+        self._blocked_reported = 0.0  # back-pressure already reported, seconds
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
@@ -266,7 +269,21 @@ class LowDiffOptimizer:
             record.rng = rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
             record.data = positions_of(self._tracked)
             self._checkpointer.on_step(record, lambda: self._capture(step), apply_s=apply_s)
+            self._report_backpressure(step)
         return out
+
+    def _report_backpressure(self, step: int) -> None:
+        """Warn when training has waited for the writer (the disk is slower than the log grows), at most once
+        per BACKPRESSURE_REPORT_S of added waiting."""
+        assert self._checkpointer is not None
+        st = self._checkpointer.stats
+        if st.blocked_s - self._blocked_reported < BACKPRESSURE_REPORT_S:
+            return
+        self._blocked_reported = st.blocked_s
+        mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
+        log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
+                    "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
+                    "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
 
     def _stage_record(self, grads: dict[str, dict[str, torch.Tensor]]) -> StepRecord:
         """The step's payloads and changed buffers as owned host tensors (on a GPU: copies in flight)."""
