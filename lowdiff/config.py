@@ -120,8 +120,9 @@ class LogConfig:
     capture: str = "auto"
     """compressor none: when the gradient is copied off the device. ``layerwise``: a post-accumulate-grad hook
     copies each gradient as backward finishes it (on a GPU the copy overlaps the rest of backward); ``step``:
-    all at once in step(); ``auto``: layerwise on a GPU, step on the CPU (where a copy cannot overlap
-    anything). A gradient changed after its hook ran (clipping, accumulation) is copied again in step()."""
+    all at once in step(), overlapping the inner optimizer step on a GPU; ``auto``: step, which measured as fast
+    or faster on CPU and GPU (docs/gpu.md). A gradient changed after its hook ran (clipping, accumulation) is
+    copied again in step()."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)

@@ -73,7 +73,7 @@ class LowDiffOptimizer:
         self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
         self._stager = Stager(self._spec.params.values())
         self._layerwise: LayerwiseCapture | None = None
-        if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config, self._stager):
+        if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config):
             self._layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log],
                                                self._stager)
         self._checkpointer: Checkpointer | None = None
@@ -410,9 +410,10 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
 
 
-def _wants_layerwise(config: Config, stager: Stager) -> bool:
-    mode = config.log.capture
-    return mode == "layerwise" or (mode == "auto" and stager.asynchronous)
+def _wants_layerwise(config: Config) -> bool:
+    # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
+    # overlapping inner.step) measured as fast or faster (docs/gpu.md).
+    return config.log.capture == "layerwise"
 
 
 def _to_device(state: dict[str, dict[str, torch.Tensor]], device: str) -> dict[str, dict[str, torch.Tensor]]:
