@@ -69,12 +69,10 @@ class Stager:
         with torch.cuda.stream(self.stream):
             for dt, idx in by_dtype.items():
                 if spare:
-                    host = _pinned(flats[dt])
-                    offset = 0
-                    for i in idx:
-                        n = tensors[i].numel()
-                        out[i] = host[offset : offset + n].view(tensors[i].shape)
-                        offset += n
+                    parts = torch.split(_pinned(flats[dt]), [tensors[i].numel() for i in idx])
+                    for i, part in zip(idx, parts):
+                        shape = tensors[i].shape
+                        out[i] = part if part.shape == shape else part.view(shape)
                     continue
                 for i in idx:  # no room for copies on the device: read the live tensors themselves
                     out[i] = _pinned(tensors[i].detach())
