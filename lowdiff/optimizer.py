@@ -209,6 +209,8 @@ class LowDiffOptimizer:
         if self._closed:
             return
         self._closed = True
+        if self._layerwise is not None:
+            self._layerwise.remove()
         if self._checkpointer is not None:
             self._checkpointer.close()
 
