@@ -52,13 +52,14 @@ def pwrite_all(fd: int, chunks: list[Any], offset: int) -> None:
                 n = 0
 
 
-def commit(tmp: Path, final: Path) -> None:
-    """fsync ``tmp``, rename it over ``final`` and fsync the directory."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def commit(tmp: Path, final: Path, synced: bool = False) -> None:
+    """fsync ``tmp`` (unless the caller has: ``synced``), rename it over ``final`` and fsync the directory."""
+    if not synced:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.replace(tmp, final)
     fsync_dir(final.parent)
 

@@ -1,0 +1,192 @@
+"""Segment write bandwidth and where the writer's time goes, for log segments of the real model's gradients.
+
+For each segment kind (Top-k 1 % x 10 steps, ~8.7 MB; full gradient x 1 step, compressor none, ~43 MB), interleaved
+repetitions of:
+
+- ``lowdiff``: ``write_segment`` with codec none (HDF5 container, CRC-32, pwritev, fsync, rename, directory fsync);
+- ``raw``: ``os.write`` + ``fsync`` of the committed file's bytes (as bench/overhead.py's bandwidth section);
+- ``raw+commit``: the same plus the rename and directory fsync the format's atomic commit rule requires (the floor
+  for any conforming writer).
+
+Medians; ``lowdiff / raw`` is raw time over lowdiff time. A second, instrumented pass splits lowdiff's time into
+phases (CRC of the entries, the bulk pwritev, fsync of the file, rename + directory fsync, the metadata CRC of the
+trailer, and the rest: Python per-entry work, JSON index, HDF5 metadata) and reports the writer thread's CPU time.
+
+    python bench/writebw.py [--reps 9] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, mb, median, write_json  # noqa: E402
+
+from lowdiff.compressors import make_compressor  # noqa: E402
+from lowdiff.storage import atomic, container  # noqa: E402
+from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
+
+
+def gradients(spec: Any) -> dict[str, torch.Tensor]:
+    model = spec.build()
+    x, y = spec.batches(1)[0]
+    _, loss = model(x, y)
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def records(grads: dict[str, torch.Tensor], compressor: str, steps: int) -> list[StepRecord]:
+    comp = make_compressor(compressor, ratio=0.01, rank=4, error_feedback=False)
+    out = []
+    for s in range(1, steps + 1):
+        payload = {n: {f: t.detach().clone() for f, t in comp.compress(n, g * (1 + s / 100)).items()}
+                   for n, g in grads.items()}
+        out.append(StepRecord(step=s, groups=[{"lr": 3e-4}], grads=payload))
+    return out
+
+
+def raw_write(path: Path, data: bytes, commit: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp") if commit else path
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if commit:
+        os.replace(tmp, path)
+        atomic.fsync_dir(path.parent)
+
+
+class Phases:
+    """Wraps the storage functions write_segment calls and adds up wall time per phase (bench-only patching)."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, attr: str, phase: str) -> None:
+        fn = getattr(owner, attr)
+        self._saved.append((owner, attr, fn))
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[phase] = self.t.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+    def __enter__(self) -> Phases:
+        if hasattr(container, "_crc32"):
+            self._wrap(container, "_crc32", "crc32")
+        else:  # lowdiff before the CRC choice: zlib's
+            self._wrap(container.zlib, "crc32", "crc32")
+        self._wrap(atomic, "_pwritev", "pwritev")
+        self._wrap(os, "fsync", "fsync (file; dir in commit)")
+        self._wrap(os, "replace", "rename")
+        self._wrap(atomic, "fsync_dir", "dir fsync")
+        self._wrap(container, "_meta_crc", "trailer metadata crc")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+
+
+def measure(recs: list[StepRecord], work: Path, reps: int) -> dict[str, Any]:
+    log_dir = work / "log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    samples: dict[str, list[float]] = {"lowdiff": [], "raw": [], "raw+commit": [], "lowdiff_cpu": []}
+    size = 0
+
+    def lowdiff_once() -> tuple[float, float, bytes]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        write_segment(work, recs, "none", "topk")
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        seg = next(log_dir.iterdir())
+        data = seg.read_bytes()
+        seg.unlink()
+        return wall, cpu, data
+
+    lowdiff_once()  # warm-up
+    for _ in range(reps):
+        wall, cpu, data = lowdiff_once()
+        size = len(data)
+        samples["lowdiff"].append(wall)
+        samples["lowdiff_cpu"].append(cpu)
+        for name, commit in (("raw", False), ("raw+commit", True)):
+            target = work / "raw.bin"
+            t0 = time.perf_counter()
+            raw_write(target, data, commit)
+            samples[name].append(time.perf_counter() - t0)
+            target.unlink()
+        del data
+    phase_runs: list[dict[str, float]] = []
+    for _ in range(max(3, reps // 2)):
+        with Phases() as ph:
+            wall, _, _ = lowdiff_once()
+        ph.t["total"] = wall
+        phase_runs.append(dict(ph.t))
+    phases = {k: median([r.get(k, 0.0) for r in phase_runs]) for k in phase_runs[0]}
+    phases["rest (python, json, hdf5)"] = phases["total"] - sum(v for k, v in phases.items() if k != "total")
+    lo, raw, rawc = median(samples["lowdiff"]), median(samples["raw"]), median(samples["raw+commit"])
+    return {"segment_bytes": size, "steps": len(recs), "lowdiff_s": lo, "raw_s": raw, "raw_commit_s": rawc,
+            "lowdiff_MBps": mb(size) / lo, "raw_MBps": mb(size) / raw, "raw_commit_MBps": mb(size) / rawc,
+            "ratio_vs_raw": raw / lo, "ratio_vs_raw_commit": rawc / lo, "writer_cpu_s": median(samples["lowdiff_cpu"]),
+            "phases_s": phases, "samples": samples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 repetitions")
+    ap.add_argument("--out", default=None, help="JSON output path (default: bench/results/writebw.json)")
+    ap.add_argument("--work", default=None, help="scratch directory on the disk to measure (default: the system "
+                                                  "temp dir)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+    reps = 2 if args.smoke else args.reps
+    info = machine_info()
+    crc = getattr(container, "_crc32", container.zlib.crc32)
+    info["crc32"] = f"{crc.__module__}.{crc.__name__}"
+    grads = gradients(spec)
+    work = Path(tempfile.mkdtemp(prefix="writebw-", dir=args.work))
+    out: dict[str, Any] = {"machine": info, "reps": reps, "cases": {}}
+    cases: list[tuple[str, Callable[[], list[StepRecord]]]] = [
+        ("topk 1% x 10 steps", lambda: records(grads, "topk", 10)),
+        ("none x 1 step", lambda: records(grads, "none", 1)),
+    ]
+    try:
+        for name, make in cases:
+            res = measure(make(), work / name.replace(" ", "_").replace("%", ""), reps)
+            out["cases"][name] = res
+            ph = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res["phases_s"].items() if k != "total")
+            print(f"{name}: {mb(res['segment_bytes']):.1f} MB; lowdiff {res['lowdiff_MBps']:.0f} MB/s, raw "
+                  f"{res['raw_MBps']:.0f} MB/s, raw+commit {res['raw_commit_MBps']:.0f} MB/s; lowdiff/raw "
+                  f"{res['ratio_vs_raw']:.2f}, lowdiff/(raw+commit) {res['ratio_vs_raw_commit']:.2f}; writer CPU "
+                  f"{res['writer_cpu_s'] * 1e3:.1f} ms; phases (ms): {ph}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["machine"]["loadavg_end"] = os.getloadavg()
+    print(f"crc32: {info['crc32']}; load average start {info['loadavg_start']}, end {out['machine']['loadavg_end']}")
+    dest = Path(args.out) if args.out else ROOT / "bench" / "results" / "writebw.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    write_json(dest, out)
+
+
+if __name__ == "__main__":
+    main()
