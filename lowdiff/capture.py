@@ -56,7 +56,7 @@ class LayerwiseCapture:
     def _stage_pending(self) -> None:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         # live=True: on the CPU each capture must own a copy; on a GPU the concatenation is the private copy.
-        hosts, event = self._stager.stage([g for _, g, _ in pending], [True] * len(pending))
+        hosts, event, _ = self._stager.stage([g for _, g, _ in pending], [True] * len(pending))
         if event is not None:
             self._event = event
         for (name, g, version), host in zip(pending, hosts):

@@ -23,7 +23,7 @@ from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
 from lowdiff.recovery import recover
 from lowdiff.shadow import ShadowReplica
-from lowdiff.staging import Stager
+from lowdiff.staging import HostPool, Stager
 from lowdiff.storage.atomic import fsync_dir
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
 from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
@@ -72,6 +72,7 @@ class LowDiffOptimizer:
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
         self._stager = Stager(self._spec.params.values())
+        self._pool = HostPool()
         self._layerwise: LayerwiseCapture | None = None
         if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config):
             self._layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log],
@@ -312,7 +313,7 @@ class LowDiffOptimizer:
             tensors.append(t)
             live.append(False)  # a clone kept in _buffer_last, replaced (never changed) when the buffer changes
         hooked = self._layerwise.ready() if self._layerwise is not None else None
-        host, ready = self._stager.stage(tensors, live)
+        host, ready, release = self._stager.stage(tensors, live, pool=self._pool)
         out_buffers = {}
         for (n, f), t in zip(names, host):
             if n:
@@ -321,7 +322,7 @@ class LowDiffOptimizer:
                 out_buffers[f] = t
         # One side stream: a later event also covers the copies the hooks queued before it.
         ready = ready if ready is not None else hooked
-        return StepRecord(step=0, groups=[], grads=staged, buffers=out_buffers, ready=ready)
+        return StepRecord(step=0, groups=[], grads=staged, buffers=out_buffers, ready=ready, release=release)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -394,7 +395,7 @@ class LowDiffOptimizer:
         slots += [(state.buffers, n) for n in state.buffers]
         for d in (*state.optimizer_state.values(), *state.compressor_state.values()):
             slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
-        host, state.ready = self._stager.stage([d[k] for d, k in slots], [True] * len(slots))
+        host, state.ready, _ = self._stager.stage([d[k] for d, k in slots], [True] * len(slots))
         for (d, k), t in zip(slots, host):
             d[k] = t
         return state

@@ -16,7 +16,8 @@ them: the next step waits only for the copy, never for the disk.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,36 @@ log = logging.getLogger(__name__)
 
 # Device clones of live tensors may use at most this fraction of the device's free memory.
 SPARE_FRACTION = 0.5
+# Released host buffers kept for reuse, per (dtype, size).
+POOL_MAX_FREE = 64
+
+
+class HostPool:
+    """Flat CPU buffers reused from step to step for the copies of live CPU tensors (compressor none's gradients).
+
+    A fresh 40 MB allocation every step is a fresh mmap whose pages fault in as the copy writes them: measured
+    4-10 points of step time on the 2-core machine (docs/gil.md). Buffers go back to the pool when the writer
+    has persisted the record (``StepRecord.done``); a record dropped without that just lets its buffer be
+    garbage-collected. Taken on the training thread, given back on the writer's, hence the lock."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((dtype, numel))
+            if free:
+                self.reused += 1
+                return free.pop()
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault((buf.dtype, buf.numel()), [])
+            if len(free) < POOL_MAX_FREE:
+                free.append(buf)
 
 
 class Stager:
@@ -45,14 +76,19 @@ class Stager:
     def asynchronous(self) -> bool:
         return self.stream is not None
 
-    def stage(self, tensors: list[torch.Tensor], live: list[bool]) -> tuple[list[torch.Tensor], Any]:
-        """Host copies of ``tensors`` the caller owns, and an event they are complete at (None: complete now).
+    def stage(self, tensors: list[torch.Tensor], live: list[bool],
+              pool: HostPool | None = None) -> tuple[list[torch.Tensor], Any, Callable[[], None] | None]:
+        """Host copies of ``tensors`` the caller owns; an event they are complete at (None: complete now); and
+        a callback that hands pooled buffers back once the copies are no longer used (None: nothing pooled).
 
         ``live[i]``: the tensor may be changed in place after this call (a parameter, optimizer state, a
-        gradient); otherwise it is a fresh tensor nothing else writes to (a compressor's payload)."""
+        gradient); otherwise it is a fresh tensor nothing else writes to (a compressor's payload). With
+        ``pool``, live CPU tensors are copied into reused buffers of it."""
         cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
         if not self.asynchronous or not cuda:
-            return [_host_copy(t, lv) for t, lv in zip(tensors, live)], None
+            if pool is not None:
+                return _pooled_copy(tensors, live, pool)
+            return [_host_copy(t, lv) for t, lv in zip(tensors, live)], None, None
         out = [t if t.device.type == "cuda" else _host_copy(t, lv) for t, lv in zip(tensors, live)]
         main = torch.cuda.current_stream(self.device)
         nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in cuda)
@@ -80,7 +116,7 @@ class Stager:
         event.record(self.stream)
         if not spare:
             main.wait_event(event)  # nothing on the training stream may change the sources before they are read
-        return out, event
+        return out, event, None  # pinned buffers: the caching host allocator reuses them
 
 
 def _pinned(src: torch.Tensor) -> torch.Tensor:
@@ -90,6 +126,32 @@ def _pinned(src: torch.Tensor) -> torch.Tensor:
     # The caching allocator must not hand src's memory out again before the copy has read it.
     src.record_stream(torch.cuda.current_stream(src.device))
     return dst
+
+
+def _pooled_copy(tensors: list[torch.Tensor], live: list[bool],
+                 pool: HostPool) -> tuple[list[torch.Tensor], None, Callable[[], None] | None]:
+    out = [_host_copy(t, False) for t in tensors]  # CPU: the tensors themselves; CUDA ones copied now
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (t, lv) in enumerate(zip(tensors, live)):
+        if lv and t.device.type == "cpu":
+            by_dtype.setdefault(t.dtype, []).append(i)
+    bufs = []
+    for dt, idx in by_dtype.items():
+        sizes = [tensors[i].numel() for i in idx]
+        buf = pool.take(dt, sum(sizes))
+        torch.cat([tensors[i].detach().reshape(-1) for i in idx], out=buf)
+        bufs.append(buf)
+        for i, part in zip(idx, torch.split(buf, sizes)):
+            shape = tensors[i].shape
+            out[i] = part if part.shape == shape else part.view(shape)
+    if not bufs:
+        return out, None, None
+
+    def release() -> None:
+        for b in bufs:
+            pool.give(b)
+
+    return out, None, release
 
 
 def _host_copy(t: torch.Tensor, live: bool) -> torch.Tensor:

@@ -41,6 +41,14 @@ class _Flush:
 
 
 @dataclass
+class _SetBatchSteps:
+    """Close the open segment here (after the records queued before this item) and batch ``steps`` per segment
+    from the next record on."""
+
+    steps: int
+
+
+@dataclass
 class ShadowSnapshot:
     """Write a snapshot of the shadow replica, which has applied every record up to ``step``."""
 
@@ -62,6 +70,7 @@ class BackgroundWriter:
         self.shadow = shadow
         self.shadow_ok = shadow is not None
         self.stats = WriterStats()
+        self._queue_depth = queue_depth
         self._durable_step = durable_step
         self._error: BaseException | None = None
         self._reported = False
@@ -93,6 +102,19 @@ class BackgroundWriter:
 
     def submit_shadow_snapshot(self, step: int) -> None:
         self._put(ShadowSnapshot(step))
+
+    def set_batch_steps(self, steps: int) -> None:
+        """Cut the open segment after the records submitted so far and continue with ``steps`` per segment.
+
+        Queued in order with the records, so the cut lands exactly here; the caller does not wait. The queue
+        bound follows (``queue_depth * steps + 2`` items)."""
+        if steps < 1:
+            raise ValueError(f"batch_steps must be >= 1, got {steps}")
+        q = self._queue
+        with q.mutex:
+            q.maxsize = self._queue_depth * steps + 2
+            q.not_full.notify_all()
+        self._put(_SetBatchSteps(steps))
 
     def flush(self) -> int:
         """Write the partial batch and wait until everything submitted is committed (or failed)."""
@@ -130,6 +152,7 @@ class BackgroundWriter:
                 if self.shadow_ok:
                     self._apply_shadow(item)
                 if self._broken:
+                    item.done()
                     continue
                 self._batch.append(item)
                 if len(self._batch) >= self.batch_steps:
@@ -137,6 +160,9 @@ class BackgroundWriter:
             elif isinstance(item, SnapshotState):
                 item.wait_ready()
                 self._write_snapshot(item)
+            elif isinstance(item, _SetBatchSteps):
+                self._write_batch()
+                self.batch_steps = item.steps
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:
                     self._write_snapshot(self.shadow.snapshot())
@@ -171,6 +197,9 @@ class BackgroundWriter:
         except BaseException as e:
             self._fail(e)
             return
+        finally:
+            for r in batch:
+                r.done()
         self.stats.write_s += time.perf_counter() - t0
         self.stats.segments += 1
         self.stats.log_bytes += nbytes
