@@ -201,12 +201,13 @@ def main() -> None:
         for rep in range(reps):
             for L in lengths:
                 for w in workers:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     rec = lowdiff.recover(run_dir, step=L, workers=w)
-                    wall = time.perf_counter() - t0
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     rp = rec.report
                     replay.setdefault(f"{L}/{w}", []).append({
-                        "wall_s": wall, "total_s": rp.total_s, "steps_replayed": rp.steps_replayed,
+                        "wall_s": wall, "cpu_s": cpu, "total_s": rp.total_s, "loadavg": os.getloadavg()[0],
+                        "steps_replayed": rp.steps_replayed,
                         "workers_used": rp.workers, "mode": rp.mode, "bytes_read": rp.bytes_read, **vars(rp.times)})
                     if rep == 0:
                         exact[f"{L}/{w}"] = _equal(refs[L], rec.model, rec.optimizer)
@@ -231,8 +232,9 @@ def main() -> None:
             for w in workers:
                 samples = replay[f"{L}/{w}"]
                 row[f"replay_w{w}_s"] = median([s["wall_s"] for s in samples])
+                row[f"replay_w{w}_cpu_s"] = median([s["cpu_s"] for s in samples])
                 phase_keys = [k for k, v in samples[0].items() if k.endswith("_s") and k not in ("wall_s", "total_s")
-                              and isinstance(v, float)]
+                              and k != "cpu_s" and isinstance(v, float)]
                 row[f"phases_w{w}"] = {k: median([s[k] for s in samples]) for k in phase_keys}
                 row[f"mode_w{w}"] = samples[0]["mode"]
                 row[f"workers_used_w{w}"] = samples[0]["workers_used"]
@@ -298,7 +300,12 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         if "speedup_w2_over_w1" in r:
             cells.append(f"{r['speedup_w2_over_w1']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Phases of the longest replay (seconds; for several workers the slowest worker's):", ""]
+    lines += ["", "CPU time of the recovering process (all its threads; less sensitive than wall time to other jobs "
+              "on the shared machine): " + "; ".join(
+                  f"L={r['steps']}: " + ", ".join(f"{w} worker(s) {r[f'replay_w{w}_cpu_s']:.2f} s" for w in ws
+                                                 if f"replay_w{w}_cpu_s" in r) for r in out["rows"]) + ".",
+              "", "Phases of the longest replay (seconds of wall time in the recovering process; `apply` is the "
+              "optimizer steps, run by all worker threads at once):", ""]
     last = out["rows"][-1]
     for w in ws:
         ph = last[f"phases_w{w}"]
@@ -310,8 +317,9 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         lines += [f"Memory probe '{name}' failed: `{err.strip().splitlines()[-1]}`", ""]
     if out["memory"]["probes"]:
         lines += ["## Peak memory", "",
-                  "Fresh process per row; PSS of the process and its replay workers sampled every 20 ms, minus the "
-                  "PSS before recovery (interpreter + torch + lowdiff imported).", "",
+                  "Fresh process per row; PSS of the process and any children sampled every 20 ms, minus the "
+                  "PSS before recovery (interpreter + torch + lowdiff imported). Replay workers are threads of "
+                  "the process and share its tensors.", "",
                   "| what | peak above start | / model+AdamW state | peak RSS of the parent process (VmHWM) |",
                   "|---|---|---|---|"]
         for name, v in out["memory"]["probes"].items():

@@ -6,13 +6,11 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as torch_mp
 
 from lowdiff.errors import CorruptFileError, StepNotAvailableError
 from lowdiff.recovery.replayer import (
@@ -21,10 +19,8 @@ from lowdiff.recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
-from lowdiff.storage.format import DTYPES
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
-from lowdiff.storage.sharding import partition_by_size
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +73,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
-    ``workers``: replay processes (None: 1 for short logs, else up to the core count). Element-wise optimizers
-    replay partitions of the tensors in parallel, bit-identical to one worker; others replay sequentially.
+    ``workers``: replay threads (None: 1, see docs/recovery.md). Element-wise optimizers replay disjoint chunks
+    of the tensors in parallel, bit-identical to one worker; others replay sequentially.
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
@@ -121,50 +117,31 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     nsteps = target - chain.snapshot_step
     names = manifest.optimized_params
     if workers is None:
-        workers = 1 if nsteps < 32 else min(os.cpu_count() or 1, 8)
-    workers = max(1, min(workers, len(names)))
+        # Measured on 2 shared cores (docs/recovery.md): worker threads over the cache-blocked chunks were not
+        # faster than one (the step is bound by memory and the cores' shared resources), so one by default.
+        workers = 1
+    workers = max(1, min(workers, max(len(names), 1)))
     mode = "sequential"
     if workers > 1 and manifest.optimizer_class not in ELEMENTWISE_OPTIMIZERS:
         mode = f"sequential ({manifest.optimizer_class} is not known to be element-wise)"
         workers = 1
+    if workers > 1 and device != "cpu":
+        mode = f"sequential (parallel replay runs on cpu, not {device})"
+        workers = 1
     if workers == 1 or nsteps == 0:
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress), 1, mode
-    parts = partition_by_bytes(manifest, names, workers)
-    # fork: workers start in milliseconds and never re-import the caller's __main__ (spawn would re-run an
-    # unguarded script). Each worker runs torch single-threaded, as DataLoader workers do after fork.
-    ctx = torch_mp.get_context("fork" if "fork" in torch_mp.get_all_start_methods() else "spawn")
-    with ProcessPoolExecutor(max_workers=len(parts) + 1, mp_context=ctx) as pool:
-        futures = [pool.submit(_worker, manifest, chain.snapshot, segments, target, part, False,
-                               optimizer_class, device) for part in parts]
-        # Parameters outside every optimizer group (and buffers) come from one more light partition.
-        rest = pool.submit(_worker, manifest, chain.snapshot, segments, target, [], True,
-                           optimizer_class, device)
-        results = [f.result() for f in futures]
-        merged = rest.result()
-    for r in results:
-        merged.params.update(r.params)
-        merged.optimizer_state.update(r.optimizer_state)
-        merged.last_q.update(r.last_q)
-        merged.bytes_read += r.bytes_read
-        merged.steps = max(merged.steps, r.steps)
-        merged.times.add(r.times)
-        for k, v in r.compressor_state.items():
-            merged.compressor_state.setdefault(k, {}).update(v)
-    if progress is not None:
-        progress(nsteps)
-    return merged, len(parts), "parallel"
-
-
-def _worker(*args: Any) -> PartitionResult:
-    torch.set_num_threads(1)  # one core per worker; element-wise results do not depend on it
-    return replay_partition(*args)
-
-
-def partition_by_bytes(manifest: Manifest, names: list[str], workers: int) -> list[list[str]]:
-    """Replay partitions balanced by tensor size (non-empty ones only)."""
-    sizes = {n: manifest.param(n).numel * DTYPES[manifest.param(n).dtype].itemsize for n in names}
-    return [b for b in partition_by_size(sizes, workers) if b]
+    # Threads, not processes: torch kernels release the GIL, so W threads can step disjoint chunks at once while
+    # sharing the state (no fork, no copy of the results, peak memory as for one worker). One intra-op thread
+    # each. On the 2 shared cores measured so far this was not faster than one worker (docs/recovery.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
+                                  device, progress, workers=workers)
+    finally:
+        torch.set_num_threads(threads)
+    return result, workers, "parallel"
 
 
 def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,

@@ -27,7 +27,7 @@ from lowdiff.tuner import DECISIONS_FILE, format_decisions
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run directory (holds manifest.json)")
     p.add_argument("--step", type=int, default=None, help="step to rebuild (default: latest durable)")
-    p.add_argument("--workers", type=int, default=None, help="replay worker processes (default: automatic)")
+    p.add_argument("--workers", type=int, default=None, help="replay worker threads (default: automatic)")
     p.add_argument("--output", default=None, help="write {step, model, optimizer} here (torch.save, plain tensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("run_dir")
     cp.add_argument("--step", type=int, default=None, help="step to snapshot (default: latest durable)")
     cp.add_argument("--keep", type=int, default=None, help="then keep only the newest N snapshots (and their log)")
-    cp.add_argument("--workers", type=int, default=None, help="replay worker processes")
+    cp.add_argument("--workers", type=int, default=None, help="replay worker threads")
     args = p.parse_args(argv)
     fn = {"recover": _cmd_recover, "inspect": _cmd_inspect, "verify": _cmd_verify,
           "compact": _cmd_compact}[args.command]

@@ -1,14 +1,24 @@
 """Exact replay: load a snapshot, then redo every logged step through the same optimizer class.
 
-A partition is a subset of the parameters. Element-wise optimizers update each tensor from its own history
-and the logged per-group scalars only, so partitions replay independently (one per worker process) and the
-union equals a sequential replay bit for bit. Several steps are never merged into one.
+Element-wise optimizers update every element from its own history and the logged per-group scalars only. The
+replayer exploits that twice, never merging several steps into one:
+
+* cache blocking: every parameter (and its optimizer state) is cut into contiguous chunks of ``CHUNK_ELEMS``
+  elements, each a *view* handed to its own optimizer entry, so the optimizer's ~8 passes per step run over
+  a chunk that stays in cache instead of streaming the whole model through memory 8 times;
+* workers: the chunks are spread over ``workers`` threads (balanced by elements), each stepping its own
+  optimizer instance; torch kernels release the GIL, the state is shared (no copies, no pickling).
+
+Chunk boundaries are multiples of 4096 elements from the start of the tensor, so every element goes through the
+same (vectorized or scalar-tail) kernel path as in training. ``tests/property/test_exactness.py`` checks the
+result bit for bit against the uninterrupted run with tiny chunks, and workers=2 against workers=1.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,10 +67,6 @@ class PhaseTimes:
     decode_s: float = 0.0
     apply_s: float = 0.0
 
-    def add(self, other: PhaseTimes) -> None:
-        for k in vars(self):
-            setattr(self, k, max(getattr(self, k), getattr(other, k)))
-
 
 @dataclass
 class PartitionResult:
@@ -84,8 +90,11 @@ class PartitionResult:
 
 def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segment], target: int,
                      names: list[str] | None, with_buffers: bool, optimizer_class: type | None = None,
-                     device: str = "cpu", progress: Any = None) -> PartitionResult:
-    """Replay parameters ``names`` (None: all) from the snapshot to ``target``; returns CPU tensors."""
+                     device: str = "cpu", progress: Any = None, workers: int = 1) -> PartitionResult:
+    """Replay parameters ``names`` (None: all) from the snapshot to ``target``; returns CPU tensors.
+
+    ``workers`` > 1 steps disjoint chunks of the tensors in that many threads (element-wise optimizers only;
+    the caller checks); the result is bit-identical to ``workers=1``."""
     times = PhaseTimes()
     t0 = time.perf_counter()
     optimized = manifest.optimized_params
@@ -95,9 +104,13 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     snap = read_snapshot(snapshot, manifest, only=only, with_buffers=with_buffers)
     times.load_snapshot_s = time.perf_counter() - t0
     wanted = [n for n in optimized if names is None or n in set(names)]
-    params = {n: torch.nn.Parameter(snap.params[n].to(device), requires_grad=manifest.param(n).requires_grad)
-              for n in wanted}
+    params = {n: torch.nn.Parameter(snap.params[n].to(device).contiguous(),
+                                    requires_grad=manifest.param(n).requires_grad) for n in wanted}
     opt = build_optimizer(manifest, snap, params, wanted, optimizer_class, device) if wanted else None
+    stepper: _Stepper | None = None
+    if opt is not None:
+        stepper = _Stepper(manifest, opt, params, device, workers,
+                           chunked=manifest.optimizer_class in ELEMENTWISE_OPTIMIZERS)
     buffers = dict(snap.buffers)
     last_q: dict[str, torch.Tensor] = {}
     # result.groups holds the encoded hyperparameters of the newest applied step until the end.
@@ -112,51 +125,47 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     pending = [seg for seg in segments if seg.last > snap.step]
     # One segment is read (checksums, decompression) ahead while this one is applied; read_s counts only the
     # time apply had to wait for it.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-prefetch") as pool:
-        ahead = pool.submit(read, pending[0]) if pending else None
-        for i, seg in enumerate(pending):
-            assert ahead is not None
-            t0 = time.perf_counter()
-            nbytes, steps = ahead.result()
-            times.read_s += time.perf_counter() - t0
-            result.bytes_read += nbytes
-            ahead = pool.submit(read, pending[i + 1]) if i + 1 < len(pending) else None
-            _replay_steps(steps, seg, snap.step, target, manifest, device, opt, params, result, times, progress)
-    for p in params.values():
-        p.grad = None
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-prefetch") as pool:
+            ahead = pool.submit(read, pending[0]) if pending else None
+            for i, seg in enumerate(pending):
+                assert ahead is not None
+                t0 = time.perf_counter()
+                nbytes, steps = ahead.result()
+                times.read_s += time.perf_counter() - t0
+                result.bytes_read += nbytes
+                ahead = pool.submit(read, pending[i + 1]) if i + 1 < len(pending) else None
+                _replay_steps(steps, seg, snap.step, target, manifest, device, stepper, result, times, progress)
+                del steps
+        if stepper is not None:
+            result.optimizer_state = stepper.finish()
+    finally:
+        if stepper is not None:
+            stepper.close()
     result.params = {n: p.detach().cpu() for n, p in params.items()}
     result.params.update({n: snap.params[n] for n in extra})
-    if opt is not None:
-        state = opt.state_dict()["state"]
-        result.optimizer_state = {wanted[i]: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                                              for k, v in st.items()} for i, st in state.items()}
     result.groups = [{k: v for k, v in decode_value(g).items() if k != "params"} for g in result.groups]
     result.times = times
     return result
 
 
 def _replay_steps(steps: list[StepData], seg: Segment, snap_step: int, target: int, manifest: Manifest,
-                  device: str, opt: torch.optim.Optimizer | None, params: dict[str, torch.nn.Parameter],
-                  result: PartitionResult, times: PhaseTimes, progress: Any) -> None:
+                  device: str, stepper: _Stepper | None, result: PartitionResult, times: PhaseTimes,
+                  progress: Any) -> None:
     for sd in steps:
         if sd.step <= snap_step or sd.step > target:
             continue
         t0 = time.perf_counter()
-        grads = {}
+        if stepper is not None:
+            stepper.set_grads(sd, seg)
         for n, payload in sd.grads.items():
-            spec = manifest.param(n)
-            g = decode_payload({k: v.to(device) for k, v in payload.items()}, spec.shape)
-            if g.dtype != DTYPES[spec.dtype]:
-                raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
-                                       f"parameter is {spec.dtype}")
-            grads[n] = g
             if "q" in payload:
                 result.last_q[n] = payload["q"]
         t1 = time.perf_counter()
         times.decode_s += t1 - t0
         result.groups = sd.groups
-        if opt is not None:
-            apply_step(opt, params, sd.groups, grads, device)
+        if stepper is not None:
+            stepper.step(sd.groups)
         result.buffers.update(sd.buffers)
         result.rng.update(sd.rng)
         result.data = sd.data or result.data
@@ -164,6 +173,341 @@ def _replay_steps(steps: list[StepData], seg: Segment, snap_step: int, target: i
         result.steps += 1
         if progress is not None:
             progress(1)
+
+
+# --- exact, fast replay of element-wise optimizers -----------------------------------------------------------
+
+CHUNK_ELEMS = 1 << 16
+"""Elements per chunk (a multiple of 4096): 64 K float32 = 256 KB per tensor, so the optimizer's working set for
+one chunk (parameter, gradient, two moments, temporaries) stays within L2/L3."""
+
+_SQRT_MIN_ELEMS = 256  # below this, the checks cost more than the slow path
+_TINY32 = torch.finfo(torch.float32).tiny
+_TINY32_T = torch.tensor(_TINY32, dtype=torch.float32)
+_POW2_75 = 2.0 ** 75
+
+
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``x.sqrt()`` bit for bit, without the slow path torch's CPU float32 sqrt (MKL VML) takes on exact zeros
+    (4-20x slower on tensors with many zeros, as Adam's second moment has under sparse Top-k gradients).
+
+    Only the zeros are swapped out: when ``x`` holds zeros (and no negative or NaN value), each zero is raised to
+    the smallest normal float (``c = max(x, tiny - tiny * sign(x))``: every other element is unchanged), the same
+    torch sqrt runs over the zero-free ``c``, and ``min(sqrt(c), x * 2**75)`` puts back the zeros with their sign
+    while keeping every other element's sqrt (``x * 2**75 > sqrt(x)`` for all ``x >= 2**-149``). Elements do not
+    influence each other's sqrt (tests/property/test_replay_chunks.py checks that), so every element gets the
+    very bits ``x.sqrt()`` gives it. Other dtypes, devices and autograd take plain ``x.sqrt()``."""
+    n = x.numel()
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or n < _SQRT_MIN_ELEMS \
+            or not x.is_contiguous():
+        return x.sqrt()
+    # The slow path costs per zero: with few zeros (a 1/64 sample says under 1/16) plain sqrt is faster.
+    if n >= 4096 and int(torch.count_nonzero(x.view(-1)[::64])) * 16 > (n + 63) // 64 * 15:
+        return x.sqrt()
+    if x.amin().item() != 0:  # no zeros (or a negative / NaN, which the plain path handles)
+        return x.sqrt()
+    c = torch.sub(_TINY32_T, x.sign(), alpha=_TINY32)  # tiny where x is +-0, 0 where x > 0 (exact)
+    torch.maximum(x, c, out=c)
+    c.sqrt_()
+    return torch.minimum(c, x.mul(_POW2_75), out=c)
+
+
+class _FastSqrtState(torch.Tensor):
+    """An optimizer state tensor whose ``.sqrt()`` is :func:`exact_sqrt`; every other op is plain torch (no
+    ``__torch_function__`` overhead). Only the replayer's chunk views are wrapped, and unwrapped on return."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def sqrt(self) -> torch.Tensor:  # type: ignore[override]
+        return exact_sqrt(self.as_subclass(torch.Tensor))
+
+
+def _plain(t: Any) -> Any:
+    return t.as_subclass(torch.Tensor) if isinstance(t, _FastSqrtState) else t
+
+
+class _Chunk:
+    __slots__ = ("a", "b", "param", "opt", "whole")
+
+    def __init__(self, a: int, b: int, param: torch.nn.Parameter, whole: bool) -> None:
+        self.a, self.b, self.param, self.whole = a, b, param, whole
+        self.opt: torch.optim.Optimizer | None = None
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """This chunk of a tensor shaped like the parameter."""
+        return t.view(t.shape) if self.whole else t.view(-1)[self.a:self.b]
+
+
+class _Stepper:
+    """Owns the replayed optimizer: decodes each step's gradients into ``.grad`` and runs the step.
+
+    chunked (element-wise optimizers on CPU): the parameters are cut into ``CHUNK_ELEMS`` views, stepped by
+    ``workers`` optimizer instances of the run's class (one per thread) whose per-element state tensors are views
+    of one full tensor per parameter and key. Otherwise the optimizer built from the snapshot steps whole
+    tensors, exactly as :func:`apply_step` does."""
+
+    def __init__(self, manifest: Manifest, opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+                 device: str, workers: int, chunked: bool) -> None:
+        self.manifest, self.opt, self.params, self.device = manifest, opt, params, device
+        self.pool: ThreadPoolExecutor | None = None
+        # Top-k: one dense gradient buffer per parameter, re-zeroed only where the previous step wrote.
+        self.topk_buf: dict[str, torch.Tensor] = {}
+        self.topk_prev: dict[str, torch.Tensor] = {}
+        self.topk_version: dict[str, int] = {}
+        self.grad_of: dict[str, torch.Tensor | None] = {}  # the tensor each parameter's chunk grads view
+        d = opt.defaults
+        self.chunked = chunked and device == "cpu" and not d.get("differentiable") and not d.get("fused") \
+            and not d.get("capturable") and all(p.is_contiguous() and p.layout == torch.strided
+                                                for p in params.values())
+        self.opts: list[torch.optim.Optimizer] = [opt]
+        self.gmaps: list[list[int]] = []
+        self.workers = workers
+        self.wrap = not d.get("foreach")  # the foreach kernels are handed plain tensors only
+        self.built = False
+        self.missing: set[str] = set()
+        self.full_state: dict[str, dict[str, torch.Tensor]] = {}
+        # A snapshot taken before the first step has no optimizer state yet: that step runs on whole tensors, so
+        # the optimizer creates full-size state, and the chunks are cut after it (no per-chunk copies to merge).
+        if self.chunked and all(opt.state.get(p) for p in params.values()):
+            self._build()
+
+    def _build(self) -> None:
+        opt, params, workers = self.opt, self.params, self.workers
+        # Every state entry must be per-element (shaped like its parameter) or a scalar; else no chunking.
+        for p in params.values():
+            for k, v in list(opt.state.get(p, {}).items()):
+                if not isinstance(v, torch.Tensor) or (v.dim() == 0 and p.dim() > 0):
+                    continue
+                if v.shape != p.shape or v.layout != torch.strided or v.device != p.device:
+                    self.chunked = False
+                    return
+                if not v.is_contiguous():
+                    opt.state[p][k] = v.contiguous()
+        self.built = True
+        size = max(4096, CHUNK_ELEMS - CHUNK_ELEMS % 4096) if CHUNK_ELEMS >= 4096 else max(1, CHUNK_ELEMS)
+        name_of = {id(p): n for n, p in params.items()}
+        self.chunks: dict[str, list[_Chunk]] = {}
+        order: list[tuple[int, _Chunk]] = []  # (group index, chunk) in parameter order
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                n = name_of[id(p)]
+                numel = p.numel()
+                if numel <= size:
+                    cs = [_Chunk(0, numel, torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad), True)]
+                else:
+                    flat = p.detach().view(-1)
+                    cs = [_Chunk(a, min(a + size, numel), torch.nn.Parameter(flat[a:a + size],
+                                                                            requires_grad=p.requires_grad), False)
+                          for a in range(0, numel, size)]
+                self.chunks[n] = cs
+                order += [(gi, c) for c in cs]
+        # Spread the chunks over the workers, largest first into the least-loaded; keep parameter order inside.
+        nworkers = max(1, min(workers, len(order)))
+        load = [0] * nworkers
+        mine: list[list[int]] = [[] for _ in range(nworkers)]
+        for i in sorted(range(len(order)), key=lambda i: -(order[i][1].b - order[i][1].a)):
+            w = load.index(min(load))
+            mine[w].append(i)
+            load[w] += max(order[i][1].b - order[i][1].a, 1)
+        self.opts, self.gmaps = [], []
+        for idx in mine:
+            idx.sort()
+            groups, gmap = [], []
+            for gi, group in enumerate(opt.param_groups):
+                cps = [order[i][1] for i in idx if order[i][0] == gi]
+                if cps:
+                    groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                   "params": [c.param for c in cps]})
+                    gmap.append(gi)
+            if groups:
+                copt = _construct_like(opt, groups)
+                for gi in gmap:
+                    for i in idx:
+                        if order[i][0] == gi:
+                            order[i][1].opt = copt
+                self.opts.append(copt)
+                self.gmaps.append(gmap)
+        # Per-element state loaded from the snapshot: the chunks' entries are views of the full tensors.
+        for n, p in params.items():
+            st = opt.state.get(p)
+            if not st:
+                self.missing.add(n)
+                continue
+            full = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and (v.dim() > 0 or p.dim() == 0)}
+            self.full_state[n] = full
+            for c in self.chunks[n]:
+                assert c.opt is not None
+                c.opt.state[c.param] = {k: self._chunk_state(c, full[k]) if k in full else
+                                        (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+        if len(self.opts) > 1:
+            self.pool = ThreadPoolExecutor(max_workers=len(self.opts) - 1, thread_name_prefix="lowdiff-replay")
+
+    def _chunk_state(self, c: _Chunk, full: torch.Tensor) -> torch.Tensor:
+        v = c.view(full)
+        return v.as_subclass(_FastSqrtState) if self.wrap else v
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def set_grads(self, sd: StepData, seg: Segment) -> None:
+        for n in self.params:
+            payload = sd.grads.get(n)
+            if payload is None:
+                self._assign(n, None)
+                continue
+            spec = self.manifest.param(n)
+            if self.chunked and set(payload) == {"values", "indices"}:
+                g = self._decode_topk(n, payload, spec.shape, seg, sd.step)
+            else:
+                g = decode_payload({k: v.to(self.device) for k, v in payload.items()}, spec.shape)
+                self.topk_buf.pop(n, None)
+            if g.dtype != DTYPES[spec.dtype]:
+                raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
+                                       f"parameter is {spec.dtype}")
+            self._assign(n, g)
+
+    def _decode_topk(self, n: str, payload: dict[str, torch.Tensor], shape: Any, seg: Segment,
+                     step: int) -> torch.Tensor:
+        """The same dense tensor as ``topk.decode`` (zeros, then the values at their unique indices), written
+        into a buffer reused across steps: only the previous step's indices are zeroed again."""
+        values, indices = payload["values"], payload["indices"]
+        numel = math.prod(int(s) for s in shape)
+        if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+            raise CorruptFileError(f"{seg.files}: step {step}: top-k payload of {n!r} has {values.numel()} "
+                                   f"values but {indices.numel()} indices")
+        idx = indices.long()
+        if idx.numel():
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < 0 or int(hi) >= numel:
+                raise CorruptFileError(f"{seg.files}: step {step}: top-k index of {n!r} out of range")
+        buf = self.topk_buf.get(n)
+        if buf is None or buf.dtype != values.dtype or buf._version != self.topk_version[n]:
+            buf = torch.zeros(numel, dtype=values.dtype)  # first use, or the optimizer wrote into the old one
+            self.topk_buf[n] = buf
+        else:
+            buf.index_fill_(0, self.topk_prev[n], 0)
+        buf.index_copy_(0, idx, values)  # == buf[idx] = values: the indices are unique
+        self.topk_prev[n] = idx
+        self.topk_version[n] = buf._version
+        return buf.view(shape)
+
+    def _assign(self, n: str, g: torch.Tensor | None) -> None:
+        if not self.built:
+            self.params[n].grad = g
+            return
+        if n in self.grad_of and self.grad_of[n] is g is None:
+            return
+        buf = self.topk_buf.get(n)
+        if g is not None and buf is not None and self.grad_of.get(n) is buf:
+            return  # the chunks already view this (updated in place) buffer
+        self.grad_of[n] = buf if (g is not None and buf is not None) else g
+        for c in self.chunks[n]:
+            c.param.grad = None if g is None else c.view(g)
+
+    # -- step --------------------------------------------------------------------------------------------------
+    def step(self, groups: list[dict[str, Any]]) -> None:
+        hyper = [{k: v for k, v in decode_value(g, self.device).items() if k != "params"} for g in groups]
+        if not self.built:
+            for g_opt, h in zip(self.opt.param_groups, hyper):
+                g_opt.update(h)
+            self.opt.step()
+            if self.chunked:
+                for p in self.params.values():
+                    p.grad = None
+                self._build()
+            return
+        for o, gmap in zip(self.opts, self.gmaps):
+            for g_opt, gi in zip(o.param_groups, gmap):
+                g_opt.update(hyper[gi])
+        if self.pool is None:
+            self.opts[0].step()
+        else:
+            futures = [self.pool.submit(o.step) for o in self.opts[1:]]
+            try:
+                self.opts[0].step()
+            finally:
+                for f in futures:
+                    f.result()
+        if self.missing:
+            self._adopt_new_state()
+
+    def _adopt_new_state(self) -> None:
+        """State the optimizer created lazily in its first step (none in the snapshot) is per chunk: copy it into
+        full tensors once and make the chunks' entries views of those, as for state loaded from a snapshot."""
+        for n in list(self.missing):
+            cs = self.chunks[n]
+            states = [c.opt.state.get(c.param) for c in cs]  # type: ignore[union-attr]
+            if not all(states):
+                continue
+            p = self.params[n]
+            full: dict[str, torch.Tensor] = {}
+            for k, v in states[0].items():  # type: ignore[union-attr]
+                if not all(isinstance(s[k], torch.Tensor) and s[k].shape == c.param.shape  # type: ignore[index]
+                           and (s[k].dim() > 0 or p.dim() == 0) for s, c in zip(states, cs)):  # type: ignore[index]
+                    continue
+                if cs[0].whole:
+                    full[k] = _plain(v).contiguous()
+                else:
+                    t = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                    for s, c in zip(states, cs):
+                        c.view(t).copy_(s[k])  # type: ignore[index]
+                    full[k] = t
+            for s, c in zip(states, cs):
+                for k, t in full.items():
+                    s[k] = self._chunk_state(c, t)  # type: ignore[index]
+            self.full_state[n] = full
+            self.missing.discard(n)
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Optimizer state per parameter name (plain CPU tensors); drops the gradients."""
+        for p in self.params.values():
+            p.grad = None
+        self.topk_buf.clear()
+        self.topk_prev.clear()
+        if not self.built:
+            state = self.opt.state_dict()["state"]
+            pos = {id(p): i for i, p in enumerate(q for g in self.opt.param_groups for q in g["params"])}
+            names = {pos[id(p)]: n for n, p in self.params.items() if id(p) in pos}
+            return {names[i]: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                    for i, st in state.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for n, cs in self.chunks.items():
+            for c in cs:
+                c.param.grad = None
+            states = [c.opt.state.get(c.param) for c in cs]  # type: ignore[union-attr]
+            if not any(states):
+                continue
+            if not all(states) or n in self.missing:
+                raise AssertionError(f"replay: the chunks of {n!r} disagree on having optimizer state")
+            st: dict[str, Any] = {}
+            for k, v in states[0].items():  # type: ignore[union-attr]
+                if k in self.full_state[n]:
+                    st[k] = _plain(self.full_state[n][k]).cpu()
+                    continue
+                for s in states[1:]:
+                    w = s[k]  # type: ignore[index]
+                    if not (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w):
+                        raise AssertionError(f"replay: the chunks of {n!r} disagree on optimizer state {k!r}")
+                st[k] = _plain(v).cpu() if isinstance(v, torch.Tensor) else v
+            out[n] = st
+        return out
+
+
+def _construct_like(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """Another instance of ``opt``'s class over ``groups``, with exactly ``opt``'s defaults and group settings."""
+    cls = type(opt)
+    new = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(new, [{"params": g["params"]} for g in groups], dict(opt.defaults))
+    for g_new, g in zip(new.param_groups, groups):
+        g_new.clear()
+        g_new.update(g)
+    for k, v in vars(opt).items():  # class-specific attributes set by the constructor (e.g. flags)
+        if k not in vars(new) and k not in ("state", "param_groups"):
+            setattr(new, k, v)
+    return new
 
 
 def apply_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], groups: list[dict[str, Any]],

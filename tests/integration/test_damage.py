@@ -197,7 +197,7 @@ def test_both_newest_snapshot_and_a_segment_damaged(pristine, damaged_copy) -> N
 
 
 def test_parallel_recovery_steps_around_damage_too(pristine, damaged_copy) -> None:
-    """The damaged file is found inside a replay worker process; the fallback is the same, still exact."""
+    """The damaged file is found during a parallel replay; the fallback is the same, still exact."""
     refs = pristine[1]
     run_dir = damaged_copy()
     start, n = _regions(run_dir / NEWEST_SNAPSHOT)["data"]

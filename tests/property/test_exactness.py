@@ -100,7 +100,7 @@ def test_snapshot_every_step_and_one_step_segments(model: str, optimizer: str, c
 
 
 def test_two_workers_equal_one_worker_bit_for_bit(tmp_path: Path) -> None:
-    """Partitioned parallel replay (process pool) == sequential replay == the uninterrupted run."""
+    """Parallel replay (chunks over worker threads) == sequential replay == the uninterrupted run."""
     scenario = Scenario(model="mlp_bn", optimizer="adamw", groups=2, scheduler=True, clip=True,
                         compressor="topk", batch_steps=3, every_steps=100)
     t = train_run(scenario, tmp_path / "run", 9)
