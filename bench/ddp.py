@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--bytes-only", action="store_true", help="skip the overhead runs")
+    ap.add_argument("--overhead-only", action="store_true", help="skip the bytes-per-step runs")
+    ap.add_argument("--compressors", default=",".join(COMPRESSORS), help="comma-separated subset")
     a = ap.parse_args()
     if a.worker:
         worker(a)
@@ -113,9 +115,11 @@ def main() -> None:
     if a.smoke:
         a.steps, a.warmup, a.rounds, a.layers, a.d_model, a.batch = 4, 1, 1, 1, 64, 2
     tmp = Path(tempfile.mkdtemp(prefix="lowdiff-ddp-bench-"))
-    results: dict = {"setup": vars(a) | {"cpus": os.cpu_count()}, "bytes": [], "overhead": []}
+    results: dict = {"setup": vars(a) | {"cpus": os.cpu_count()}, "loadavg_start": os.getloadavg(), "bytes": [],
+                     "overhead": []}
     try:
-        for comp in COMPRESSORS:
+        comps = [c for c in a.compressors.split(",") if c]
+        for comp in () if a.overhead_only else comps:
             per_world = {}
             for world in ((1, 2) if a.smoke else (1, 2, 4)):
                 ranks = launch(world, tmp / f"b-{comp}-{world}", tmp / f"w-{comp}-{world}", comp, a, False)
@@ -131,7 +135,7 @@ def main() -> None:
                     fair = row["total_bytes_per_step"] / n
                     row["max_rank_vs_fair_share"] = max(row["per_rank_bytes_per_step"]) / fair
                     row["total_vs_world1"] = row["total_bytes_per_step"] / sum(per_world[1])
-        for comp in () if a.bytes_only else COMPRESSORS:
+        for comp in () if a.bytes_only else comps:
             ranks = launch(2, tmp / f"o-{comp}", tmp / f"wo-{comp}", comp, a, True)
             rows = ranks[0]["rounds"]
             off = [max(r["rounds"][i]["step_s"] for r in ranks) for i, x in enumerate(rows) if x["mode"] == "off"]
@@ -142,6 +146,7 @@ def main() -> None:
                                         "per_round_ratios": ratios})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    results["loadavg_end"] = os.getloadavg()
     lines = ["# DDP benchmark (gloo on CPU)", "",
              f"`python bench/ddp.py{' --smoke' if a.smoke else ''}`: tinygpt n_layer={a.layers} d_model={a.d_model}, "
              f"{a.steps} steps ({a.warmup} warm-up), Top-k 1 %, PowerSGD rank 4, codec none.", "",
@@ -152,7 +157,8 @@ def main() -> None:
              "| compressor | world size | per-rank bytes/step | total bytes/step | max/fair | total/N=1 |",
              "|---|---|---|---|---|---|"]
     for r in results["bytes"]:
-        lines.append(f"| {r['compressor']} | {r['world']} | {', '.join(f'{b:,.0f}' for b in r['per_rank_bytes_per_step'])}"
+        per_rank = ", ".join(f"{b:,.0f}" for b in r["per_rank_bytes_per_step"])
+        lines.append(f"| {r['compressor']} | {r['world']} | {per_rank}"
                      f" | {r['total_bytes_per_step']:,.0f} | {r['max_rank_vs_fair_share']:.3f} |"
                      f" {r['total_vs_world1']:.3f} |")
     lines += ["", "## 2-rank overhead of per-iteration checkpointing vs `enabled: false`", "",

@@ -3,6 +3,26 @@ baselines (torch.save, CheckFreq-style async, torch.distributed.checkpoint async
 
     python bench/overhead.py            # the real run (~15 min on 2 cores); writes bench/results, docs/
     python bench/overhead.py --smoke --out-dir /tmp/x   # seconds; what tests/bench runs
+    python bench/overhead.py --device cuda --model-size 50m   # on a GPU: bench/results/overhead-cuda.json, docs/
+        # 50m: a full checkpoint is 595 MB and compressor none logs 200 MB per step; on a small disk add --tidy
+        # and leave lowdiff-none out (--modes); the 9 GB free on the H100 test machine did not hold a full run
+    python bench/overhead.py --modes lowdiff-topk-auto --out-name overhead-auto   # tuner-chosen settings only
+
+On ``--device cuda`` the model, the optimizer state and the batches live on the GPU; the stream is synchronized at
+every window boundary (before the first step and after the last), so a window's mean step time is real GPU time
+(the per-step times inside a window are host-side). The baselines handle GPU tensors: torch.save and the naive
+differential save them directly (torch.save copies to the host), CheckFreq-style copies into reused pinned host
+buffers with non-blocking copies and its persist thread waits on a CUDA event, DCP's async_save stages to the host
+itself. Compression times are host-side on GPU (kernels are asynchronous); the ``-off`` twin's ratio to plain is
+the real compression cost.
+
+Auto mode (``lowdiff-C-auto``, issue #7): ``snapshot.every_steps: auto`` and ``log.batch_steps: auto`` with
+``tuner.max_overhead`` (``--auto-max-overhead``, 0.02) and ``tuner.mtbf_hours`` (``--auto-mtbf-hours``). It warms
+up continuously until the tuner has decided and a snapshot has followed the decision (so the chosen batch size is
+in force), then its windows are W steps, W a multiple of the chosen batch B dividing the chosen interval F, aligned
+so snapshot steps start windows; the reference is its ``enabled: false`` twin ``lowdiff-C-off``; the interval F
+is stratified as for the fixed modes (rounds >= F / W are needed to see a snapshot). At a window's end it waits for
+the writer to commit the complete segments and snapshots (no flush: that would cut segments shorter than B).
 
 Protocol (one process, one model, one AdamW shared by every mode, so every mode trains the same tensors):
   * every mode is warmed up, then R rounds. A round runs windows of consecutive training steps: plain training
@@ -29,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -46,8 +67,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import (  # noqa: E402
-    FULL_MODEL,
+    MODEL_SIZES,
     SMOKE_MODEL,
+    device_info,
     dir_bytes,
     fsync_file,
     machine_info,
@@ -57,6 +79,7 @@ from _common import (  # noqa: E402
     output_paths,
     peak_rss_bytes,
     run_probe,
+    to_device,
     train_step,
     write_json,
 )
@@ -65,6 +88,7 @@ import lowdiff  # noqa: E402
 import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
 from lowdiff.compressors.powersgd import factor_shapes  # noqa: E402
 from lowdiff.compressors.topk import k_for  # noqa: E402
+from lowdiff.config import resolve_codec  # noqa: E402
 from lowdiff.storage.segment import write_segment  # noqa: E402
 
 TOPK_RATIO = 0.01
@@ -72,6 +96,22 @@ TOPK_RATIO = 0.01
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
 PSGD_RANK = 4
+DEVICE = torch.device("cpu")  # set by --device
+SNAPSHOT_KEEP = 0  # lowdiff's snapshot.keep (1 with --tidy)
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (a no-op on the CPU): called at window boundaries only."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def lz4_available() -> bool:
+    try:
+        import lz4.frame  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 # -- instrumentation of lowdiff's segment writes (timing only; the library is not changed) ----------------------
 
@@ -118,6 +158,11 @@ class Mode:
     def setup(self, ctx: Ctx) -> None:
         self.ctx = ctx
 
+    def warm(self, next_batch: Any) -> None:
+        """Untimed steps before the rounds (``next_batch()`` gives the next batch)."""
+        for _ in range(self.warmup):
+            self.step(next_batch())
+
     def step(self, batch: Any) -> bool:
         """One training step; True when a checkpoint event happened in it."""
         train_step(self.ctx.model, self.ctx.inner, batch)
@@ -128,6 +173,12 @@ class Mode:
 
     def end_window(self) -> float:
         return 0.0
+
+    def tidy(self) -> None:
+        """With --tidy: delete checkpoint files after a window (untimed), for small disks."""
+
+    def finish(self) -> None:
+        """After the last round, before the statistics."""
 
     def bytes_written(self) -> int:
         return 0
@@ -149,24 +200,29 @@ class LowDiffMode(Mode):
         self.k = every if enabled else None
         self.warmup = align - 1  # the same for both twins: a fresh Top-k compressor is slower for ~20 steps
 
+    def config(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "enabled": self.enabled,
+                "compressor": {"name": self.comp, "ratio": TOPK_RATIO, "rank": PSGD_RANK},
+                "snapshot": {"every_steps": self.every, "keep": SNAPSHOT_KEEP},
+                "log": {"batch_steps": self.batch_steps, "codec": self.codec}}
+
     def setup(self, ctx: Ctx) -> None:
         super().setup(ctx)
         self.run_dir = ctx.work / self.name
-        cfg = {"run_dir": str(self.run_dir), "enabled": self.enabled,
-               "compressor": {"name": self.comp, "ratio": TOPK_RATIO, "rank": PSGD_RANK},
-               "snapshot": {"every_steps": self.every}, "log": {"batch_steps": self.batch_steps, "codec": self.codec}}
         t0 = time.perf_counter()
-        self.opt = lowdiff.wrap(ctx.inner, ctx.model, cfg)
+        self.opt = lowdiff.wrap(ctx.inner, ctx.model, self.config())
         self.wrap_s = time.perf_counter() - t0
-        orig = self.opt.compressor.compress
+        # The wrapper calls compress_decode where the library has it (compress + the decode it needs anyway).
+        attr = "compress_decode" if hasattr(self.opt.compressor, "compress_decode") else "compress"
+        orig = getattr(self.opt.compressor, attr)
 
-        def timed(fqn: str, grad: torch.Tensor) -> Any:
+        def timed(fqn: str, grad: torch.Tensor, *rest: Any) -> Any:
             t = time.perf_counter()
-            out = orig(fqn, grad)
+            out = orig(fqn, grad, *rest)
             self.compress_s += time.perf_counter() - t
             return out
 
-        self.opt.compressor.compress = timed  # type: ignore[method-assign]
+        setattr(self.opt.compressor, attr, timed)
 
     def step(self, batch: Any) -> bool:
         train_step(self.ctx.model, self.opt, batch)
@@ -191,10 +247,109 @@ class LowDiffMode(Mode):
         st = self.stats()
         return {"compressor": self.comp, "enabled": self.enabled, "snapshot_every_steps": self.every,
                 "batch_steps": self.batch_steps, "codec": self.codec,
+                "codec_resolved": resolve_codec(self.codec, self.comp),
                 "writer_stats": vars(st).copy() if st else None}
 
     def close(self) -> None:
         self.opt.close()
+
+
+class AutoLowDiffMode(LowDiffMode):
+    """lowdiff with ``snapshot.every_steps: auto`` and ``log.batch_steps: auto`` (see the module docstring)."""
+
+    def __init__(self, comp: str, codec: str, target_window: int, mtbf_hours: float, max_overhead: float,
+                 max_warmup_steps: int) -> None:
+        super().__init__(comp, True, 0, 0, codec, target_window)
+        self.name = f"lowdiff-{comp}-auto"
+        self.target_window = target_window
+        self.mtbf_hours, self.max_overhead, self.max_warmup_steps = mtbf_hours, max_overhead, max_warmup_steps
+        self.k = None  # the tuner's interval, known after warm-up
+        self.snapshots_submitted = 0
+        self.warmup_steps = 0
+        self.warmup_s = 0.0
+        self.alignment = "not warmed up"
+        self.drain_timeouts = 0
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        cfg["snapshot"] = {"every_steps": "auto", "keep": SNAPSHOT_KEEP}
+        cfg["log"] = {"batch_steps": "auto", "codec": self.codec}
+        cfg["tuner"] = {"mtbf_hours": self.mtbf_hours, "max_overhead": self.max_overhead}
+        return cfg
+
+    @property
+    def ckpt(self) -> Any:
+        return self.opt._checkpointer
+
+    def step(self, batch: Any) -> bool:
+        train_step(self.ctx.model, self.opt, batch)
+        event = self.ckpt._last_snapshot_step == self.opt.step_count
+        self.snapshots_submitted += event
+        return event
+
+    def warm(self, next_batch: Any) -> None:
+        """Until the tuner has decided and a snapshot has followed (its B then in force), then to alignment."""
+        t0 = time.perf_counter()
+        ck, tuner = self.ckpt, self.ckpt.tuner
+        while self.warmup_steps < self.max_warmup_steps:
+            self.step(next_batch())
+            self.warmup_steps += 1
+            if tuner.decisions and ck._last_snapshot_step > tuner.decisions[0].step:
+                break
+        f, b = ck.every_steps, ck.batch_steps
+        self.k = f
+        # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows).
+        cands = [w for w in range(b, f + 1, b) if f % w == 0]
+        self.window = min(cands, key=lambda w: (abs(w - self.target_window), w))
+        # Windows start at steps = last snapshot (mod W): run to the step before the next such start.
+        while (self.opt.step_count + 1 - ck._last_snapshot_step) % self.window:
+            self.step(next_batch())
+            self.warmup_steps += 1
+        self.warmup_s = time.perf_counter() - t0
+        decided = bool(tuner.decisions)
+        self.alignment = (f"every_steps={f} batch_steps={b} window={self.window} after {self.warmup_steps} warm-up "
+                          f"steps ({self.warmup_s:.0f} s){'' if decided else ' - NO DECISION YET (bootstrap values)'}")
+        print(f"  {self.name}: {self.alignment}", flush=True)
+
+    def start_timed(self) -> None:
+        self.end_window()
+
+    def finish(self) -> None:
+        # The interval the stratification weighs with: the tuner's choice in force at the end (it may have
+        # re-decided during the rounds; every decision is in info()).
+        self.k = self.ckpt.every_steps
+
+    def end_window(self) -> float:
+        """Wait for the writer to commit every complete segment and every snapshot submitted (the open segment
+        stays open: a flush would cut it)."""
+        t0 = time.perf_counter()
+        ck, st = self.ckpt, self.stats()
+        b, cur = ck._writer_batch, self.opt.step_count
+        target = ck._batch_anchor + (cur - ck._batch_anchor) // b * b
+        while ck.durable_step < target or st.snapshots < self.snapshots_submitted:
+            if time.perf_counter() - t0 > 120:
+                self.drain_timeouts += 1
+                self.opt.flush()
+                break
+            time.sleep(0.0005)
+            ck.check()
+        return time.perf_counter() - t0
+
+    def info(self) -> dict[str, Any]:
+        out = super().info()
+        tuner = self.ckpt.tuner
+        out.update({
+            "snapshot_every_steps": "auto", "batch_steps": "auto", "tuner_mtbf_hours": self.mtbf_hours,
+            "tuner_max_overhead": self.max_overhead, "alignment": self.alignment, "warmup_steps": self.warmup_steps,
+            "in_force": {"every_steps": self.ckpt.every_steps, "batch_steps": self.ckpt.batch_steps},
+            "drain_timeouts": self.drain_timeouts,
+            "decisions": [{"step": d.step, "reason": d.reason, "every_steps": d.every_steps,
+                           "batch_steps": d.batch_steps, "predicted_overhead": d.overhead,
+                           "waste_s_per_hour": d.waste_s_per_hour, "feasible": d.feasible,
+                           "predicted_writer_load": d.breakdown.writer_load,
+                           "sources": dict(d.costs.sources), "summary": d.summary()} for d in tuner.decisions],
+        })
+        return out
 
 
 class _IntervalMode(Mode):
@@ -228,6 +383,10 @@ class _IntervalMode(Mode):
     def checkpoint(self) -> None:
         raise NotImplementedError
 
+    def tidy(self) -> None:
+        for p in self.dir.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
     def bytes_written(self) -> int:
         return self.nbytes
 
@@ -253,7 +412,12 @@ class TorchSaveMode(_IntervalMode):
 
 
 def _clone_state(sd: Any) -> Any:
+    """A host copy (GPU tensors: into new pinned buffers, non-blocking: wait on an event before reading)."""
     if isinstance(sd, torch.Tensor):
+        if sd.device.type == "cuda":
+            buf = torch.empty(sd.shape, dtype=sd.dtype, pin_memory=True)
+            buf.copy_(sd.detach(), non_blocking=True)
+            return buf
         return sd.detach().clone()
     if isinstance(sd, dict):
         return {k: _clone_state(v) for k, v in sd.items()}
@@ -262,7 +426,9 @@ def _clone_state(sd: Any) -> Any:
 
 def _copy_into(dst: Any, src: Any) -> Any:
     if isinstance(src, torch.Tensor):
-        dst.copy_(src)
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            return _clone_state(src)
+        dst.copy_(src.detach(), non_blocking=src.device.type == "cuda")
         return dst
     if isinstance(src, dict):
         return {k: _copy_into(dst[k], v) if k in dst else _clone_state(v) for k, v in src.items()}
@@ -288,11 +454,17 @@ class CheckFreqMode(_IntervalMode):
             raise self.error
         state = {"model": self.ctx.model.state_dict(), "optim": self.ctx.inner.state_dict()}
         self.buf = _clone_state(state) if self.buf is None else _copy_into(self.buf, state)
-        self.thread = threading.Thread(target=self._persist, args=(self.buf,), daemon=True)
+        ready = None
+        if DEVICE.type == "cuda":  # the copies are queued on the stream; the next step's kernels come after them
+            ready = torch.cuda.Event()
+            ready.record()
+        self.thread = threading.Thread(target=self._persist, args=(self.buf, ready), daemon=True)
         self.thread.start()
 
-    def _persist(self, buf: Any) -> None:
+    def _persist(self, buf: Any, ready: Any = None) -> None:
         try:
+            if ready is not None:
+                ready.synchronize()
             n = _save_durably(buf, self.dir / "ckpt.pt")
             with self._lock:
                 self.nbytes += n
@@ -380,11 +552,16 @@ def dcp_available() -> tuple[bool, str]:
 
 
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
-                batch_steps: dict[str, int], with_dcp: bool) -> list[Mode]:
+                batch_steps: dict[str, int], with_dcp: bool, auto: dict[str, Any] | None = None) -> list[Mode]:
+    """``auto``: {"compressors": [...], "mtbf_hours", "max_overhead", "max_warmup_steps"} adds lowdiff-C-auto for
+    those compressors (and for any named in ``names``)."""
     modes: list[Mode] = [Mode("plain")]
     for comp in ("topk", "powersgd", "none"):
         modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window))
         modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window))
+        if auto is not None and (comp in auto["compressors"] or f"lowdiff-{comp}-auto" in (names or [])):
+            modes.append(AutoLowDiffMode(comp, codec, ld_window, auto["mtbf_hours"], auto["max_overhead"],
+                                         auto["max_warmup_steps"]))
     for k in ks:
         modes.append(TorchSaveMode(k))
         modes.append(CheckFreqMode(k))
@@ -392,7 +569,7 @@ def build_modes(names: list[str] | None, ks: list[int], every: int, window: int,
             modes.append(DCPMode(k))
         modes.append(NaiveDiffMode(k))
     for m in modes:
-        m.window = ld_window if m.family == "lowdiff" else window
+        m.window = ld_window if m.family == "lowdiff" else window  # an auto mode picks its own in warm()
     if names:
         keep = set(names) | {"plain"} | {m.ref for m in modes if m.name in names}
         modes = [m for m in modes if m.name in keep]
@@ -443,8 +620,9 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
     """Re-write the last captured records of each lowdiff mode with lowdiff's write_segment, interleaved with a
     raw os.write + fsync of the same number of bytes (the committed file's content), medians of ``reps``."""
     out: dict[str, Any] = {}
+    codecs = ("lz4", "none") if lz4_available() else ("none",)
     for m in modes:
-        if not isinstance(m, LowDiffMode) or not m.enabled:
+        if not isinstance(m, LowDiffMode) or not m.enabled or isinstance(m, AutoLowDiffMode):
             continue
         recs = _LAST_RECORDS.get(str(m.run_dir), [])
         if not recs:
@@ -458,7 +636,7 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
         samples: dict[str, list[float]] = {}
         sizes: dict[str, int] = {}
         for _ in range(reps):
-            for codec in ("lz4", "none"):
+            for codec in codecs:
                 t0 = time.perf_counter()
                 nbytes = write_segment(scratch, recs, codec, m.comp)
                 samples.setdefault(f"lowdiff_{codec}_s", []).append(time.perf_counter() - t0)
@@ -479,7 +657,7 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
                 samples.setdefault(f"raw_{codec}_s", []).append(time.perf_counter() - t0)
                 raw.unlink()
                 del data
-        for codec in ("lz4", "none"):
+        for codec in codecs:
             lo, raw_s = median(samples[f"lowdiff_{codec}_s"]), median(samples[f"raw_{codec}_s"])
             res[codec] = {"segment_bytes": sizes[codec], "lowdiff_write_s": lo, "raw_write_fsync_s": raw_s,
                           "lowdiff_MBps": mb(sizes[codec]) / lo, "raw_MBps": mb(sizes[codec]) / raw_s,
@@ -491,24 +669,41 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
     return out
 
 
+def model_spec(args: argparse.Namespace) -> Any:
+    spec = SMOKE_MODEL if args.smoke else MODEL_SIZES[args.model_size]
+    changes = {k: v for k, v in (("batch", args.batch), ("block", args.block)) if v}
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def set_device(args: argparse.Namespace) -> None:
+    global DEVICE, SNAPSHOT_KEEP
+    SNAPSHOT_KEEP = 1 if getattr(args, "tidy", False) else 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    DEVICE = torch.device(args.device)
+
+
 def run_probe_mode(args: argparse.Namespace) -> None:
     """``--probe MODE``: fresh process, train a few steps of one mode, print peak RSS as JSON."""
     torch.set_num_threads(args.threads)
-    spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+    set_device(args)
+    spec = model_spec(args)
     every = 2  # a full snapshot is in flight during the probe, as it is every `snapshot.every_steps` in training
     modes = build_modes(None, [1], every, 1, 1, args.codec, _batch_steps(args), with_dcp=True)
     mode = next(m for m in modes if m.name == args.probe)
     work = Path(tempfile.mkdtemp(prefix="lowdiff-probe-", dir=args.work_dir))
     try:
-        model = spec.build()
+        model = spec.build().to(DEVICE)
         inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        batches = spec.batches(2)
+        batches = to_device(spec.batches(2), DEVICE)
         mode.setup(Ctx(model, inner, work))
         for i in range(args.probe_steps):
             mode.step(batches[i % 2])
         mode.end_window()
         mode.close()
-        print(json.dumps({"mode": mode.name, "peak_rss_bytes": peak_rss_bytes(), "maxrss_bytes": maxrss_bytes()}))
+        gpu = torch.cuda.max_memory_allocated(DEVICE) if DEVICE.type == "cuda" else None
+        print(json.dumps({"mode": mode.name, "peak_rss_bytes": peak_rss_bytes(), "maxrss_bytes": maxrss_bytes(),
+                          "cuda_peak_allocated_bytes": gpu}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -519,32 +714,39 @@ def measure_memory(args: argparse.Namespace, every: int, with_dcp: bool) -> dict
                   "parent's RSS over fork+exec) of a fresh process per mode that builds the model and trains a few "
                   "steps of that mode (k=1; lowdiff with a snapshot every 2 steps, so a snapshot is in flight as it "
                   "is every snapshot.every_steps in training)",
-        "peak_rss_bytes": {}}
+        "peak_rss_bytes": {}, "cuda_peak_allocated_bytes": {}}
     names = ["plain", "lowdiff-topk"] if args.smoke else \
         [m.name for m in build_modes(None, [1], every, 1, 1, args.codec, _batch_steps(args), with_dcp)]
     for name in names:
         r = run_probe(Path(__file__), ["--probe", name, "--threads", str(args.threads), "--codec", args.codec,
+                                       "--device", args.device, "--model-size", args.model_size,
+                                       *(["--batch", str(args.batch)] if args.batch else []),
+                                       *(["--block", str(args.block)] if args.block else []),
                                        "--batch-steps", str(args.batch_steps),
                                        "--batch-steps-none", str(args.batch_steps_none),
                                        "--probe-steps", "3" if args.smoke else "6",
                                        *(["--smoke"] if args.smoke else [])], timeout_s=600)
         memory["peak_rss_bytes"][name] = r["peak_rss_bytes"]
+        memory["cuda_peak_allocated_bytes"][name] = r.get("cuda_peak_allocated_bytes")
         print(f"  peak RSS {name}: {mb(r['peak_rss_bytes']):.0f} MB", flush=True)
     return memory
 
 
 def attach_memory(results: dict[str, Any], memory: dict[str, Any]) -> None:
     peaks = memory.get("peak_rss_bytes", {})
+    gpu = memory.get("cuda_peak_allocated_bytes") or {}
     for mname, res in results.items():
         probe_name = mname if res["family"] in ("plain", "lowdiff") else f"{res['family']}-k1"
         if probe_name in peaks and "plain" in peaks:
             res["peak_rss_bytes"] = peaks[probe_name]
             res["peak_rss_over_plain_bytes"] = peaks[probe_name] - peaks["plain"]
+        if gpu.get(probe_name) is not None and gpu.get("plain") is not None:
+            res["cuda_peak_over_plain_bytes"] = gpu[probe_name] - gpu["plain"]
 
 
 def memory_only(args: argparse.Namespace) -> None:
     """Re-measure peak memory for an existing overhead.json (its timing results are kept) and re-render."""
-    json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+    json_path, md_path, png_path = output_paths(args.out_dir, out_name(args))
     out = json.loads(json_path.read_text())
     pr = out["protocol"]
     memory = measure_memory(args, pr["lowdiff_snapshot_every_steps"], any(m.startswith("dcp-") for m in out["modes"]))
@@ -556,6 +758,10 @@ def memory_only(args: argparse.Namespace) -> None:
     write_markdown(md_path, out)
     plot(png_path, out)
     print(f"overhead: memory re-measured -> {json_path}, {md_path}", flush=True)
+
+
+def out_name(args: argparse.Namespace) -> str:
+    return args.out_name or ("overhead" if args.device == "cpu" else f"overhead-{args.device}")
 
 
 def _batch_steps(args: argparse.Namespace) -> dict[str, int]:
@@ -574,7 +780,25 @@ def main() -> None:
     ap.add_argument("--snapshot-every", type=int, help="lowdiff snapshot.every_steps (default 50)")
     ap.add_argument("--batch-steps", type=int, default=2, help="lowdiff log.batch_steps for topk/powersgd")
     ap.add_argument("--batch-steps-none", type=int, default=1, help="log.batch_steps for compressor none")
-    ap.add_argument("--codec", default="lz4")
+    ap.add_argument("--codec", default="auto", help="log.codec (default: the library's default, auto)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model, optimizer state and batches live (default cpu)")
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                    help="small: GPT 10.8M, 4x128 tokens (default); 50m: GPT 49.6M, 8x256 tokens (issue #3's size)")
+    ap.add_argument("--batch", type=int, help="sequences per step (overrides the model size's)")
+    ap.add_argument("--block", type=int, help="tokens per sequence (overrides the model size's)")
+    ap.add_argument("--out-name", help="output base name (default overhead, or overhead-cuda on --device cuda)")
+    ap.add_argument("--tidy", action="store_true",
+                    help="for small disks: delete each baseline's checkpoint files after each window (untimed; the "
+                         "next save then writes a new file instead of replacing one) and run lowdiff with "
+                         "snapshot.keep 1 (retention in its writer)")
+    ap.add_argument("--auto", action="store_true",
+                    help="add lowdiff-C-auto (snapshot.every_steps and log.batch_steps auto) for --auto-compressors")
+    ap.add_argument("--auto-compressors", default="topk", help="comma-separated (default topk)")
+    ap.add_argument("--auto-mtbf-hours", type=float, default=1.0, help="tuner.mtbf_hours of the auto modes")
+    ap.add_argument("--auto-max-overhead", type=float, default=0.02, help="tuner.max_overhead of the auto modes")
+    ap.add_argument("--auto-max-warmup", type=int, default=2000,
+                    help="most warm-up steps an auto mode waits for the tuner's first decision and a snapshot after")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see docs)")
     ap.add_argument("--modes", help="comma-separated subset of modes (plus their references)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-RSS subprocesses")
@@ -589,17 +813,22 @@ def main() -> None:
         run_probe_mode(args)
         return
     if args.memory_only:
+        set_device(args)
         memory_only(args)
         return
     if args.render_only:
-        json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+        json_path, md_path, png_path = output_paths(args.out_dir, out_name(args))
         out = json.loads(json_path.read_text())
         write_markdown(md_path, out)
         plot(png_path, out)
         return
 
     torch.set_num_threads(args.threads)
-    spec = SMOKE_MODEL if args.smoke else FULL_MODEL
+    set_device(args)
+    spec = model_spec(args)
+    names = args.modes.split(",") if args.modes else None
+    auto = {"compressors": args.auto_compressors.split(",") if args.auto else [], "mtbf_hours": args.auto_mtbf_hours,
+            "max_overhead": args.auto_max_overhead, "max_warmup_steps": args.auto_max_warmup}
     rounds = args.rounds or (2 if args.smoke else 6)
     s = args.window or (2 if args.smoke else 5)
     s_ld = args.lowdiff_window or (2 if args.smoke else 10)
@@ -616,32 +845,37 @@ def main() -> None:
             ap.error(f"batch steps {b} must divide --lowdiff-window {s_ld}")
     global _KEEP_RECORDS
     _KEEP_RECORDS = s_ld
-    json_path, md_path, png_path = output_paths(args.out_dir, "overhead")
+    json_path, md_path, png_path = output_paths(args.out_dir, out_name(args))
     notes: list[str] = []
     with_dcp, dcp_note = dcp_available()
     notes.append(dcp_note)
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="lowdiff-overhead-", dir=args.work_dir))
     info = machine_info()
-    print(f"overhead: model {spec}, {rounds} rounds, windows {s}/{s_ld} steps, ks {ks}, work dir {work}", flush=True)
+    info["device"] = device_info(DEVICE)
+    print(f"overhead: device {DEVICE}, model {spec}, {rounds} rounds, windows {s}/{s_ld} steps, ks {ks}, "
+          f"work dir {work}", flush=True)
     try:
-        model = spec.build()
+        model = spec.build().to(DEVICE)
         inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
         nparams = sum(p.numel() for p in model.parameters())
-        batches = spec.batches(8)
+        batches = to_device(spec.batches(8), DEVICE)
         ctx = Ctx(model, inner, work)
-        modes = build_modes(args.modes.split(",") if args.modes else None, ks, every, s, s_ld, args.codec,
-                            _batch_steps(args), with_dcp)
+        modes = build_modes(names, ks, every, s, s_ld, args.codec, _batch_steps(args), with_dcp, auto)
         train_step(model, inner, batches[0])  # AdamW state exists before anyone snapshots it
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
                            if isinstance(v, torch.Tensor))
         gi = 0
+
+        def next_batch() -> Any:
+            nonlocal gi
+            gi += 1
+            return batches[(gi - 1) % len(batches)]
+
         for m in modes:
             m.setup(ctx)
-            for _ in range(m.warmup):
-                m.step(batches[gi % len(batches)])
-                gi += 1
+            m.warm(next_batch)
             m.start_timed()
         print(f"  setup + warm-up {time.perf_counter() - t_start:.0f} s", flush=True)
         gc.collect()
@@ -651,24 +885,31 @@ def main() -> None:
         seg0 = {k: len(v) for k, v in _SEGMENT_LOG.items()}
         plain = next(m for m in modes if m.name == "plain")
         baselines = [m for m in modes if m.family not in ("plain", "lowdiff")]
-        ld_pairs = [m for m in modes if m.family == "lowdiff"]  # (off, on) per compressor, in that order
+        by_name = {m.name: m for m in modes}
         ld_block: list[Mode] = []
-        for off, on in zip(ld_pairs[::2], ld_pairs[1::2]):
-            ld_block += [off, on, off]  # every enabled window sits between two windows of its enabled:false twin
+        for m in modes:
+            if m.family == "lowdiff" and m.ref != "plain":
+                # every enabled window sits between two windows of its enabled:false twin
+                ld_block += [by_name[m.ref], m, by_name[m.ref]]
 
         def run_window(m: Mode) -> dict[str, Any]:
             nonlocal gi
             n = m.window
             times, events = [], 0
+            sync()  # on a GPU: nothing of the previous window runs into this one
             c0 = time.process_time()
-            for _ in range(n):
+            for i in range(n):
                 b = batches[gi % len(batches)]
                 gi += 1
                 t0 = time.perf_counter()
                 events += m.step(b)
+                if i == n - 1:
+                    sync()  # the last step's time absorbs the queued GPU work: the window's sum is real
                 times.append(time.perf_counter() - t0)
             cpu = time.process_time() - c0
             wait = m.end_window()
+            if args.tidy:
+                m.tidy()
             return {"mode": m.name, "mean_step_s": sum(times) / n, "cpu_step_s": cpu / n, "step_s": times,
                     "events": events, "drain_s": wait, "t_s": time.perf_counter() - t_start}
 
@@ -683,6 +924,8 @@ def main() -> None:
             pl = [w["mean_step_s"] for w in windows[-1] if w["mode"] == "plain"]
             print(f"  round {r + 1}/{rounds} done at {time.perf_counter() - t_start:.0f} s; plain "
                   f"{median(pl):.3f} s/step (median of {len(pl)} windows)", flush=True)
+        for m in modes:
+            m.finish()
         total_steps = {m.name: 0 for m in modes}
         for rw in windows:
             for w in rw:
@@ -757,10 +1000,13 @@ def main() -> None:
         attach_memory(results, memory)
         out = {
             "benchmark": "overhead", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "machine": info, "model": {**spec.as_dict(), "params": nparams, "state_bytes_model_plus_adam": state_bytes},
+            "machine": info, "device": DEVICE.type,
+            "model": {**spec.as_dict(), "params": nparams, "state_bytes_model_plus_adam": state_bytes,
+                      "size": "smoke" if args.smoke else args.model_size},
             "protocol": {"rounds": rounds, "window_steps": s, "lowdiff_window_steps": s_ld, "ks": ks,
                          "lowdiff_snapshot_every_steps": every,
                          "lowdiff_batch_steps": _batch_steps(args), "codec": args.codec, "torch_threads": args.threads,
+                         "auto": auto, "tidy": args.tidy, "snapshot_keep": SNAPSHOT_KEEP,
                          "optimizer": "AdamW(lr=3e-4), clip_grad_norm 1.0", "topk_ratio": TOPK_RATIO,
                          "powersgd_rank": PSGD_RANK},
             "modes": results, "bandwidth": bandwidth, "memory": memory, "notes": notes,
@@ -781,6 +1027,11 @@ def _pct(r: float | None) -> str:
     return "n/a" if r is None or (isinstance(r, float) and math.isnan(r)) else f"{(r - 1) * 100:+.1f} %"
 
 
+GPU_CAVEATS = [
+    "GPU: the stream is synchronized at window boundaries only, so a window's mean step time is real and the "
+    "per-step times inside it are host-side; compression times are host-side (the -off twin's ratio to plain is "
+    "the real compression cost). Checkpoints go to the machine's local disk.",
+]
 CAVEATS = [
     "Shared machine: other jobs load the 2 cores (load averages in the header), so wall-clock ratios carry "
     "roughly +-10-20 % noise per round (per-round ratios are in the JSON) and overheads below ~10 % are not "
@@ -797,6 +1048,8 @@ def _iqr(q: list[float] | None) -> str:
 
 def write_markdown(path: Path, out: dict[str, Any]) -> None:
     mdl, pr = out["model"], out["protocol"]
+    dev = out.get("machine", {}).get("device", {"type": "cpu"})
+    where = "CPU" if dev.get("type", "cpu") == "cpu" else f"{dev.get('name', dev['type'])} (CUDA {dev.get('cuda')})"
     lines = [
         "# Checkpointing overhead",
         "",
@@ -806,7 +1059,7 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         f"at end {out['loadavg_end'][0]:.1f} (shared machine).",
         "",
         f"Model: GPT, {mdl['n_layer']} layers, d_model {mdl['d_model']}, {mdl['params'] / 1e6:.1f} M parameters, "
-        f"batch {mdl['batch']} x {mdl['block']} tokens, {pr['optimizer']}, CPU. Model + AdamW state: "
+        f"batch {mdl['batch']} x {mdl['block']} tokens, {pr['optimizer']}, {where}. Model + AdamW state: "
         f"{mb(mdl['state_bytes_model_plus_adam']):.0f} MB.",
         "",
         f"Protocol: {pr['rounds']} rounds; in each, windows of {pr['window_steps']} steps of plain training and of "
@@ -830,6 +1083,8 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         rss = r.get("peak_rss_over_plain_bytes")
         payload = r.get("payload_bytes_per_step")
         k = f"1 (snapshot every {r['k']})" if r["family"] == "lowdiff" and r["k"] else (r["k"] or "-")
+        if r.get("snapshot_every_steps") == "auto":
+            k = f"1 (auto: snapshot every {r['in_force']['every_steps']}, {r['in_force']['batch_steps']} steps/segment)"
         lines.append(
             f"| {name} | {k} | {_pct(r['ratio'])} | {_iqr(r.get('ratio_iqr'))} | {r['reference']} | "
             f"{_pct(r['ratio_incl_drain'])} | {_pct(r.get('ratio_cpu'))} | {_pct(r['ratio_vs_plain'])} | "
@@ -846,11 +1101,33 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
                   "|---|---|---|---|---|---|---|"]
         for name, b in out["bandwidth"].items():
             for codec in ("lz4", "none"):
+                if codec not in b:
+                    continue
                 c = b[codec]
                 lines.append(f"| {name} | {b['steps_per_segment']} | {codec} | {mb(c['segment_bytes']):.1f} MB | "
                              f"{c['lowdiff_MBps']:.0f} MB/s | {c['raw_MBps']:.0f} MB/s | {c['bandwidth_ratio']:.2f} |")
         lines.append("")
-    lines += ["## Notes", ""] + [f"- {n}" for n in CAVEATS + out["notes"]] + [""]
+    autos = {n: r for n, r in out["modes"].items() if r.get("snapshot_every_steps") == "auto"}
+    if autos:
+        lines += ["## Auto settings (issue #7)", "",
+                  "`snapshot.every_steps: auto`, `log.batch_steps: auto`; measured overhead vs the `enabled: false` "
+                  "twin, next to the tuner's bound and its own prediction (the decision in force at the end).", "",
+                  "| mode | tuner.max_overhead | MTBF | chosen F / B | predicted overhead | measured | incl. drain | "
+                  "CPU | rounds with a snapshot | statistic |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, r in autos.items():
+            d = r["decisions"][-1] if r["decisions"] else None
+            pred = f"{d['predicted_overhead'] * 100:.2f} %" if d else "no decision"
+            with_ev = sum(1 for e in r["windows"] if e["events"])
+            fb = f"{r['in_force']['every_steps']} / {r['in_force']['batch_steps']}"
+            lines.append(f"| {name} | {r['tuner_max_overhead']:.3g} | {r['tuner_mtbf_hours']:g} h | {fb} | {pred} | "
+                         f"{_pct(r['ratio'])} | {_pct(r['ratio_incl_drain'])} | {_pct(r.get('ratio_cpu'))} | "
+                         f"{with_ev} of {len(r['windows'])} | {r['statistic']} |")
+        lines.append("")
+        for name, r in autos.items():
+            lines += [f"{name}: {r['alignment']}. Decisions:", ""]
+            lines += [f"- {d['summary']}" for d in r["decisions"]] + [""]
+    caveats = CAVEATS if dev.get("type", "cpu") == "cpu" else GPU_CAVEATS + CAVEATS[2:]
+    lines += ["## Notes", ""] + [f"- {n}" for n in caveats + out["notes"]] + [""]
     path.write_text("\n".join(lines))
 
 
@@ -882,8 +1159,11 @@ def plot(path: Path, out: dict[str, Any]) -> None:
     axes[0].set_ylabel("overhead (%)")
     axes[1].legend(fontsize=7)
     mdl = out["model"]
-    fig.suptitle(f"Checkpoint overhead, GPT {mdl['params'] / 1e6:.1f}M, {mdl['tokens_per_step']} tokens/step, CPU; "
-                 f"median of {out['protocol']['rounds']} interleaved rounds on a shared 2-core machine", fontsize=10)
+    dev = out.get("machine", {}).get("device", {"type": "cpu"})
+    where = "CPU" if dev.get("type", "cpu") == "cpu" else dev.get("name", "GPU")
+    fig.suptitle(f"Checkpoint overhead, GPT {mdl['params'] / 1e6:.1f}M, {mdl['tokens_per_step']} tokens/step, {where}; "
+                 f"median of {out['protocol']['rounds']} interleaved rounds on a shared "
+                 f"{out['machine']['cpu_count']}-core machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,10 +1,10 @@
 """Does any training step wait for a full snapshot? Per-step time distribution with frequent snapshots.
 
 For each mode the same GPT trains for ``--steps`` steps with a full snapshot every ``--every`` steps; every step
-is timed on its own (on a GPU, until the training stream has finished it). Reported per mode: median, 95th percentile and max
-step time, max / median, and the median of the snapshot steps alone over the median of the others. Issue #8's
-bar: with ``snapshot.shadow: true`` no step waits for a snapshot (max within 1.2x the median). Modes run in
-rounds of ``--round`` steps, round-robin, so machine drift hits them alike.
+is timed on its own (on a GPU, until the training stream has finished it). Reported per mode: median, 95th
+percentile and max step time, max / median, and the median of the snapshot steps alone over the median of the
+others. Issue #8's bar: with ``snapshot.shadow: true`` no step waits for a snapshot (max within 1.2x the
+median). Modes run in rounds of ``--round`` steps, round-robin, so machine drift hits them alike.
 
     python bench/steptimes.py                  # CPU, 10.8M-param GPT; docs/steptimes.md + bench/results/
     python bench/steptimes.py --device cuda --model 50m

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.config import Config, resolve_codec
+from lowdiff.distributed import Coordinator
 from lowdiff.errors import UnsupportedError
 from lowdiff.profiler import AutoTuner
 from lowdiff.storage.atomic import clean_stale_tmp, write_json_atomic
@@ -27,7 +28,11 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Decides full vs differential per step and hands both to the background writer."""
 
-    def __init__(self, config: Config, compressor_name: str, shard: Shard = UNSHARDED) -> None:
+    def __init__(self, config: Config, compressor_name: str, shard: Shard = UNSHARDED,
+                 coordinator: Coordinator | None = None) -> None:
+        """``coordinator``: under DDP with ``auto`` settings, the group rank 0's tuning decisions are broadcast
+        over (every rank must snapshot at the same steps and cut segments alike); without one, a gloo group of
+        its own is created (a collective call: every rank constructs its Checkpointer at the same point)."""
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.compressor_name = compressor_name
@@ -36,12 +41,21 @@ class Checkpointer:
         self._lock: WriterLock | None = None
         # snapshot.every_steps / log.batch_steps "auto": measured online, solved by lowdiff.tuner (docs/TUNER.md).
         self.tuner = AutoTuner.from_config(config)
+        self._coord: Coordinator | None = None
         if self.tuner is not None and shard.count > 1:
-            raise UnsupportedError("snapshot.every_steps / log.batch_steps 'auto' is not supported with sharded "
-                                   "(multi-rank) writes yet: every rank must snapshot at the same steps. Set "
-                                   "integers (the tuner's choice on one rank, from its log, is a good start)")
+            # Rank 0's tuner decides; the others follow (docs/TUNER.md, "Several ranks").
+            coord = coordinator if coordinator is not None else Coordinator(ddp=True)
+            if not coord.active or coord.world_size != shard.count or coord.rank != shard.index:
+                raise UnsupportedError(
+                    f"snapshot.every_steps / log.batch_steps 'auto' with {shard.count} writing ranks needs "
+                    "torch.distributed initialized with one process per shard (rank 0 decides for all); "
+                    "set integers otherwise")
+            self._coord = coord
         self._last_snapshot_step = 0
         self._batch_anchor = 0
+        self._last_submitted = 0
+        self._writer_batch = 0
+        """Steps per segment last handed to the writer (it applies a change when it reaches it in its queue)."""
         self._seen = WriterStats()
         self._prior_decisions: list[dict[str, Any]] = []
 
@@ -55,14 +69,31 @@ class Checkpointer:
         if removed:
             log.info("lowdiff: removed %d uncommitted file(s) left by an earlier crash", len(removed))
 
+    @property
+    def _leads(self) -> bool:
+        """Whether this rank measures and decides (every rank but 0 follows rank 0 under DDP)."""
+        return self.shard.index == 0
+
+    def _sync_tuner(self) -> None:
+        """Under DDP: put rank 0's (every_steps, batch_steps) in force on every rank. Called by every rank at the
+        same steps (start, then every ``check_every_steps`` steps: the only steps rank 0 can decide at)."""
+        if self._coord is None:
+            return
+        assert self.tuner is not None
+        f, b = self._coord.broadcast_ints(list(self.tuner.current()), "tuner decision")
+        if not self._leads:
+            self.tuner.follow(f, b)
+
     def start(self, durable_step: int, shadow: Any = None) -> None:
         cfg = self.config
         if self.tuner is not None:
             self._seed_tuner()
-        self._last_snapshot_step = self._batch_anchor = durable_step
+            self._sync_tuner()  # every rank starts from rank 0's values (its tuner.json, or the bootstrap)
+        self._last_snapshot_step = self._batch_anchor = self._last_submitted = durable_step
         self._seen = WriterStats()  # the new writer counts from zero
         codec = resolve_codec(cfg.log.codec, cfg.compressor.name)
-        self._writer = BackgroundWriter(self.run_dir, batch_steps=self.batch_steps, codec=codec,
+        self._writer_batch = self.batch_steps
+        self._writer = BackgroundWriter(self.run_dir, batch_steps=self._writer_batch, codec=codec,
                                         compressor=self.compressor_name, queue_depth=cfg.log.queue_depth,
                                         keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
                                         shard=self.shard, shadow=shadow)
@@ -100,10 +131,11 @@ class Checkpointer:
         before the next inner step, so an exception always means "this step did not happen"."""
         if self._writer is None:
             return
-        prof = self.tuner.profiler if self.tuner is not None else None
+        prof = self.tuner.profiler if self.tuner is not None and self._leads else None
         if prof is not None:
             prof.on_step(record.step, apply_s=apply_s, record_bytes=record.payload_nbytes)
         self._writer.submit_record(record)
+        self._last_submitted = record.step
         if self.wants_snapshot(record.step):
             if self.tuner is not None:
                 self._realign(record.step)
@@ -140,16 +172,33 @@ class Checkpointer:
         """At a snapshot step (its record already queued): switch to the tuner's batch size, and cut the open
         segment if the snapshot falls inside it, so segments never straddle a snapshot."""
         assert self.tuner is not None and self._writer is not None
-        b, w = self.batch_steps, self._writer
-        if b == w.batch_steps and (step - self._batch_anchor) % b == 0:
+        b = self.batch_steps
+        if b == self._writer_batch and (step - self._batch_anchor) % b == 0:
             return
-        # Waits for the queued records: rare (a new decision or a re-aligned interval), and it keeps the size
-        # change in order with the records. A writer-side set_batch_steps would avoid the wait.
-        w.flush()
-        w.batch_steps = b
+        # An item in the writer's queue, after this step's record: the cut and the new size land exactly here,
+        # in order with the records, and the training thread does not wait.
+        self._writer.set_batch_steps(b)
+        self._writer_batch = b
         self._batch_anchor = step
 
     def _tune(self, step: int) -> None:
+        assert self.tuner is not None and self._writer is not None
+        if self._coord is not None:
+            # Rank 0 decides only at multiples of check_every_steps, and every rank takes its choice there:
+            # one broadcast of two integers per check_every_steps steps, at the same steps on every rank.
+            if step % self.tuner.check_every_steps:
+                if self._leads:
+                    self._poll_writes()
+                return
+            if self._leads:
+                self._poll_writes()
+                self._decide(step)
+            self._sync_tuner()
+            return
+        self._poll_writes()
+        self._decide(step)
+
+    def _poll_writes(self) -> None:
         assert self.tuner is not None and self._writer is not None
         prof, st, seen = self.tuner.profiler, self._writer.stats, self._seen
         if st.blocked_s > seen.blocked_s:
@@ -163,8 +212,11 @@ class Checkpointer:
         if (dseg or dsnap) and complete:
             prof.on_writes(segments=dseg, segment_bytes=st.log_bytes - seen.log_bytes, snapshots=dsnap,
                            snapshot_bytes=st.snapshot_bytes - seen.snapshot_bytes, seconds=st.write_s - seen.write_s,
-                           steps_per_segment=self._writer.batch_steps)
+                           steps_per_segment=self._writer_batch)
             self._seen = dataclasses.replace(st)
+
+    def _decide(self, step: int) -> None:
+        assert self.tuner is not None
         if self.tuner.update(step) is not None and self.shard.index == 0:
             path = self.run_dir / DECISIONS_FILE
             try:
@@ -187,6 +239,8 @@ class Checkpointer:
         if self._writer is None:
             return 0
         step = self._writer.flush()
+        # The flush wrote the partial segment: the writer's next segment starts after the last submitted step.
+        self._batch_anchor = self._last_submitted
         self.check()
         return step
 

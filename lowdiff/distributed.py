@@ -57,7 +57,7 @@ class HookState:
         return out
 
 
-def lowdiff_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+def lowdiff_comm_hook(state, bucket):
     # No annotations: DDP compares them against dist.GradBucket and rejects the string form that
     # `from __future__ import annotations` produces.
     """Compress each gradient in the bucket, aggregate across ranks, write decode(payload) back into the
@@ -101,3 +101,15 @@ class Coordinator:
         except RuntimeError as e:
             raise LowDiffError(f"rank {self.rank}: barrier '{what}' failed ({e}); a rank is gone or stuck. "
                                "Restart the job and resume with opt.resume()") from e
+
+    def broadcast_ints(self, values: list[int], what: str) -> list[int]:
+        """Rank 0's ``values`` on every rank (a few int64 over the gloo group; in one process: ``values``)."""
+        if self._group is None:
+            return [int(v) for v in values]
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        try:
+            dist.broadcast(t, src=0, group=self._group)
+        except RuntimeError as e:
+            raise LowDiffError(f"rank {self.rank}: broadcast '{what}' failed ({e}); a rank is gone or stuck. "
+                               "Restart the job and resume with opt.resume()") from e
+        return [int(v) for v in t.tolist()]

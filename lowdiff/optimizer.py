@@ -80,7 +80,7 @@ class LowDiffOptimizer:
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
             shard = Shard(self._coord.rank, self._coord.world_size)
-            self._checkpointer = Checkpointer(config, cc.name, shard)
+            self._checkpointer = Checkpointer(config, cc.name, shard, coordinator=self._coord)
             try:
                 self._open_run_dir()
             except BaseException:

@@ -363,6 +363,12 @@ class AutoTuner:
         if f >= 1 and b >= 1 and f % b == 0:
             self._current = (f, b)
 
+    def follow(self, every_steps: int, batch_steps: int) -> None:
+        """Put (every_steps, batch_steps) in force as decided elsewhere (under DDP: by rank 0's tuner)."""
+        if every_steps < 1 or batch_steps < 1 or every_steps % batch_steps:
+            raise ValueError(f"every_steps={every_steps} must be a positive multiple of batch_steps={batch_steps}")
+        self._current = (int(every_steps), int(batch_steps))
+
     def update(self, step: int) -> Decision | None:
         """Call once per step (cheap). Returns a new decision when one was made, else None."""
         if self._last_check >= 0 and step - self._last_check < self.check_every_steps:

@@ -216,9 +216,9 @@ class _FastSqrtState(torch.Tensor):
     """An optimizer state tensor whose ``.sqrt()`` is :func:`exact_sqrt`; every other op is plain torch (no
     ``__torch_function__`` overhead). Only the replayer's chunk views are wrapped, and unwrapped on return."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def sqrt(self) -> torch.Tensor:  # type: ignore[override]
+    def sqrt(self) -> torch.Tensor:
         return exact_sqrt(self.as_subclass(torch.Tensor))
 
 

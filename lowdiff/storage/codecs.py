@@ -7,9 +7,9 @@ bytes but very regular sign/exponent bytes, which plain lz4/zstd cannot exploit 
 
 from __future__ import annotations
 
-import lz4.frame
+from types import ModuleType
+
 import numpy as np
-import zstandard
 
 from lowdiff.errors import CorruptFileError
 
@@ -28,6 +28,23 @@ def unshuffle(data: bytes | memoryview, itemsize: int) -> bytes | memoryview:
     if itemsize <= 1 or arr.size % itemsize:
         return data
     return arr.reshape(itemsize, -1).T.tobytes()
+def _lz4() -> ModuleType:
+    """lz4.frame, imported on first use: a run with codec none must not need the package."""
+    try:
+        import lz4.frame
+    except ImportError as e:
+        raise ImportError(f"codec lz4 needs the 'lz4' package ({e}); install it or use log.codec none") from e
+    return lz4.frame
+
+
+def _zstd() -> ModuleType:
+    try:
+        import zstandard
+    except ImportError as e:
+        raise ImportError(f"codec zstd needs the 'zstandard' package ({e}); install it or use log.codec none") from e
+    return zstandard
+
+
 _ZSTD_LEVEL = 1  # fast: the log is written every step; level 1 already removes most redundancy
 
 
@@ -37,9 +54,9 @@ def encode(codec: str, raw: bytes | bytearray | memoryview, itemsize: int = 1) -
     if codec == "none":
         return raw if isinstance(raw, (bytes, memoryview)) else memoryview(raw)
     if codec == "lz4":
-        return lz4.frame.compress(raw, compression_level=0, store_size=True)
+        return _lz4().compress(raw, compression_level=0, store_size=True)
     if codec == "zstd":
-        return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw)
+        return _zstd().ZstdCompressor(level=_ZSTD_LEVEL).compress(raw)
     raise ValueError(f"unknown codec {codec!r}; allowed: {', '.join(CODECS)}")
 
 
@@ -48,21 +65,24 @@ def decode(codec: str, data: bytes | memoryview, raw_nbytes: int, where: str, it
     """Decompress and check the size; never allocates more than ``raw_nbytes`` for the output."""
     if codec in ("shuffle-lz4", "shuffle-zstd"):
         return unshuffle(decode(codec.removeprefix("shuffle-"), data, raw_nbytes, where), itemsize)
+    # Imported before the try: a missing package is an ImportError naming it, not a "damaged file".
+    lz4 = _lz4() if codec == "lz4" else None
+    zstd = _zstd() if codec == "zstd" else None
     try:
         if codec == "none":
             out: bytes | memoryview = data
-        elif codec == "lz4":
-            info = lz4.frame.get_frame_info(data)
+        elif lz4 is not None:
+            info = lz4.get_frame_info(data)
             if info.get("content_size") != raw_nbytes:
                 raise CorruptFileError(f"{where}: lz4 frame declares {info.get('content_size')} bytes, "
                                        f"expected {raw_nbytes}")
-            out = lz4.frame.decompress(data)
-        elif codec == "zstd":
-            params = zstandard.get_frame_parameters(data)
+            out = lz4.decompress(data)
+        elif zstd is not None:
+            params = zstd.get_frame_parameters(data)
             if params.content_size != raw_nbytes:
                 raise CorruptFileError(f"{where}: zstd frame declares {params.content_size} bytes, "
                                        f"expected {raw_nbytes}")
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_nbytes)
+            out = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_nbytes)
         else:
             raise CorruptFileError(f"{where}: unknown codec {codec!r}")
     except CorruptFileError:

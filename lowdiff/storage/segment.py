@@ -106,10 +106,10 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
     for bname, like in bufnames.items():
         counts, raw = [], []
         for r in records:
-            t = r.buffers.get(bname)
-            counts.append(-1 if t is None else t.numel())
-            if t is not None:
-                raw.append(t)
+            bt = r.buffers.get(bname)
+            counts.append(-1 if bt is None else bt.numel())
+            if bt is not None:
+                raw.append(bt)
         entries.append(EntryIn(f"buffer/{bname}", raw, {"dtype": dtype_name(like.dtype),
                                                         "inner_shape": list(like.shape), "counts": counts}))
     entries += _rng_entries(records)

@@ -51,3 +51,13 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     for r in out["rows"]:
         assert r["replay_w1_s"] > 0 and r["replay_w2_s"] > 0 and r["full_load_s"] > 0
     assert out["memory"]["probes"]
+
+
+def test_overhead_smoke_auto(tmp_path: Path) -> None:
+    """The auto mode (issue #7): the tuner decides during warm-up, its windows follow its choice."""
+    out = _run("overhead.py", tmp_path, "--modes", "lowdiff-topk-auto", "--no-memory")
+    r = out["modes"]["lowdiff-topk-auto"]
+    assert r["reference"] == "lowdiff-topk-off" and r["ratio"] > 0
+    assert r["decisions"] and r["decisions"][0]["reason"] == "initial"
+    f, b = r["in_force"]["every_steps"], r["in_force"]["batch_steps"]
+    assert f % b == 0 and f % r["window_steps"] == 0 and r["window_steps"] % b == 0

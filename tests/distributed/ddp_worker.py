@@ -1,7 +1,9 @@
 """One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG] [--auto]
 Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
+With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
+last snapshot step) in force after each step to REF_OUT.rankR.sched.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--continuous-rng", action="store_true",
                     help="seed once before wrap and let resume() restore each rank's RNG (exact continuation)")
+    ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -48,14 +51,19 @@ def main() -> None:
         torch.manual_seed(99 + rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt = lowdiff.wrap(inner, ddp, {
+    cfg = {
         "run_dir": args.run_dir,
         "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
         "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
-    })
+    }
+    if args.auto:  # a high failure rate and a loose bound: the tuner picks small, frequently re-tuned values
+        cfg.update({"snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
+                    "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
+    opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume() if args.resume else 0
     refs = []
     losses = []
+    sched = []
     if not args.continuous_rng:
         torch.manual_seed(99 + rank + 1000 * start)
     for step in range(start + 1, args.steps + 1):
@@ -67,9 +75,14 @@ def main() -> None:
         losses.append((step, loss.item()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if rank == 0:
+        if rank == 0 and (not args.auto or step > args.steps - 3):
             refs.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict())))
+        if args.auto:
+            ck = opt._checkpointer
+            sched.append((step, ck.every_steps, ck.batch_steps, ck._last_snapshot_step))
     opt.close()
+    if args.auto:
+        torch.save(sched, f"{args.ref_out}.rank{rank}.sched")
     if rank == 0:
         torch.save(refs, args.ref_out)
     torch.save(losses, f"{args.ref_out}.rank{rank}.losses")

@@ -3,6 +3,7 @@ writes, resume at another world size, and a rank that dies mid-run."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -120,3 +121,46 @@ def test_two_rank_resume_continues_exactly(tmp_path: Path) -> None:
         a = dict(torch.load(f"{tmp_path / 'a.pt'}.rank{rank}.losses"))
         b = dict(torch.load(f"{tmp_path / 'b2.pt'}.rank{rank}.losses"))
         assert all(a[s] == b[s] for s in range(7, 11)), rank
+
+
+def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
+    """snapshot.every_steps / log.batch_steps auto on 2 ranks: rank 0's tuner decides, both ranks have the same
+    values in force at every step, so every snapshot and segment is a complete 2-shard set; recovery is exact."""
+    from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, parse_segment_name, parse_snapshot_name
+    from lowdiff.tuner import DECISIONS_FILE
+
+    steps = 400
+    torchrun(2, str(tmp_path / "run"), "topk", str(steps), str(tmp_path / "ref.pt"), "--auto", timeout=240.0)
+    run = tmp_path / "run"
+    decisions = json.loads((run / DECISIONS_FILE).read_text())["decisions"]
+    assert decisions and decisions[0]["step"] > 128  # rank 0 decided after the bootstrap snapshot
+    s0 = torch.load(f"{tmp_path / 'ref.pt'}.rank0.sched")
+    s1 = torch.load(f"{tmp_path / 'ref.pt'}.rank1.sched")
+    assert s0 == s1 and len(s0) == steps
+    # Decisions are taken at multiples of 8 and in force from the next step on, on both ranks.
+    for d in decisions:
+        assert d["step"] % 8 == 0
+        assert s1[d["step"] - 1][1:3] == (d["every_steps"], d["batch_steps"]), d
+    assert {(f, b) for _, f, b, _ in s1} != {(128, 16)}  # the schedule did move off the bootstrap values
+    # Every file belongs to a complete shard set: the ranks cut segments and snapshotted at the same steps.
+    snap_files = [parse_snapshot_name(p.name) for p in (run / SNAPSHOT_DIR).iterdir()]
+    seg_files = [parse_segment_name(p.name) for p in (run / LOG_DIR).iterdir()]
+    assert None not in snap_files and None not in seg_files
+    snaps, segs = list_snapshots(run), list_segments(run)
+    assert len(snap_files) == 2 * len(snaps) and len(seg_files) == 2 * len(segs)
+    assert sorted(snaps)[-1] == s0[-1][3] and len(snaps) >= 3  # 0, 128 (bootstrap) and the tuned ones
+    # The log covers every step once, and no segment straddles a snapshot.
+    assert [a for a, _, _ in segs] == [1] + [b + 1 for _, b, _ in segs[:-1]] and segs[-1][1] == steps
+    assert not any(a <= s < b for a, b, _ in segs for s in snaps)
+    refs = torch.load(tmp_path / "ref.pt", weights_only=False)
+    step, model_sd, optim_sd = refs[-1]
+    assert step == steps
+    assert_matches(lowdiff.recover(run, step=step), model_sd, optim_sd)
+    # Resumed, both ranks start from rank 0's last decision (tuner.json) and stay in step.
+    torchrun(2, str(run), "topk", str(steps + 40), str(tmp_path / "ref2.pt"), "--auto", "--resume", timeout=240.0)
+    r0 = torch.load(f"{tmp_path / 'ref2.pt'}.rank0.sched")
+    assert r0 == torch.load(f"{tmp_path / 'ref2.pt'}.rank1.sched") and r0[0][0] == steps + 1
+    assert r0[0][1:3] == (decisions[-1]["every_steps"], decisions[-1]["batch_steps"])
+    step, model_sd, optim_sd = torch.load(tmp_path / "ref2.pt", weights_only=False)[-1]
+    assert step == steps + 40
+    assert_matches(lowdiff.recover(run, step=step), model_sd, optim_sd)

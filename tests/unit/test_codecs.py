@@ -60,3 +60,35 @@ def test_unknown_codec() -> None:
         codecs.encode("gzip", b"x")
     with pytest.raises(CorruptFileError, match="unknown codec"):
         codecs.decode("gzip", b"x", 1, "f.h5")
+
+
+def test_codec_packages_are_imported_only_when_used() -> None:
+    """lowdiff imports and writes with codec none where lz4 / zstandard are not installed (a GPU box without them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('lz4', 'zstandard'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import lowdiff\n"
+        "from lowdiff.storage import codecs\n"
+        "assert bytes(codecs.decode('none', codecs.encode('none', b'abc'), 3, 'w')) == b'abc'\n"
+        "for c in ('lz4', 'zstd', 'shuffle-lz4'):\n"
+        "    try:\n"
+        "        codecs.encode(c, b'abcd', 2)\n"
+        "    except ImportError as e:\n"
+        "        assert 'install it or use log.codec none' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(c)\n"
+        "try:\n"
+        "    codecs.decode('lz4', b'x', 1, 'f.h5')\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "assert 'lz4' not in sys.modules and 'zstandard' not in sys.modules\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -383,7 +383,8 @@ def test_auto_end_to_end(tmp_path) -> None:
     assert all(torch.equal(rec.model[k], v) for k, v in model.state_dict().items())
 
 
-def test_auto_refused_for_sharded_writes() -> None:
+def test_auto_refused_for_sharded_writes_without_a_process_group() -> None:
+    """Several writing ranks need rank 0's decisions broadcast (tests/distributed checks that path)."""
     from lowdiff.checkpointer import Checkpointer
     from lowdiff.errors import UnsupportedError
     from lowdiff.storage.format import Shard
