@@ -207,16 +207,17 @@ class Profiler:
                 return statistics.median(self._record_bytes)
             return None
 
-    def write_interference(self) -> tuple[float, str]:
+    def write_interference(self) -> tuple[float, float | None, str]:
         """alpha from step durations: duration = T0 + alpha * (seconds of the step during which a write ran).
 
-        Needs steps with and without overlapping writes (else 0, "not measured"). Returns the estimate minus two
-        standard errors, clamped to [0, 1], and how it was obtained."""
+        Needs steps with and without overlapping writes (else 0, None, "not measured"). Returns the estimate
+        minus and plus two standard errors, clamped to [0, 1] (the low one is minimized with, the high one
+        checked against ``max_overhead``), and how they were obtained."""
         with self._lock:
             steps = list(self._steps)
             spans = list(self._write_spans)
         if not spans or len(steps) < self.min_steps:
-            return 0.0, "not measured (no writes in the window)"
+            return 0.0, None, "not measured (no writes in the window)"
         xs, ys = [], []
         for s0, s1, d in steps:
             ov = sum(max(0.0, min(s1, w1) - max(s0, w0)) for w0, w1 in spans)
@@ -226,7 +227,7 @@ class Profiler:
         busy = [i for i, x in enumerate(xs) if x >= 0.1 * ys[i]]
         idle = [i for i, x in enumerate(xs) if x == 0]
         if len(busy) < 8 or len(idle) < 8:
-            return 0.0, "not measured (too few steps with and without a concurrent write)"
+            return 0.0, None, "not measured (too few steps with and without a concurrent write)"
         # Extra time of a busy step over the idle median, per second of overlap, over the middle half of the
         # busy steps (one preempted step must not decide). On a shared machine step times jitter far more than
         # a write costs, so what is used is the estimate minus two standard errors: noise reads as 0, not as 1.
@@ -238,8 +239,9 @@ class Profiler:
         se = math.hypot(statistics.stdev(ratios) / math.sqrt(len(ratios)),
                         statistics.stdev(ys[i] for i in idle) / math.sqrt(len(idle)) / mean_x)
         used = min(1.0, max(0.0, est - 2 * se))
-        return used, (f"step time vs overlap with writes: {est:.2f} +- {se:.2f}, used {used:.2f} "
-                      f"({len(busy)} busy, {len(idle)} idle steps)")
+        high = min(1.0, max(used, est + 2 * se))
+        return used, high, (f"step time vs overlap with writes: {est:.2f} +- {se:.2f}, used {used:.2f}, "
+                            f"bound checked with {high:.2f} ({len(busy)} busy, {len(idle)} idle steps)")
 
     def missing(self) -> list[str]:
         """What is not measured yet (empty: :meth:`costs` can answer)."""
@@ -288,11 +290,12 @@ class Profiler:
             sources["replay_step_s"] = f"assumed {ASSUMED_REPLAY_FRACTION:g} x T (not measured)"
         if not read_bw:
             sources["read_bytes_per_s"] = "assumed equal to the write bandwidth"
-        alpha, how = self.write_interference()
+        alpha, alpha_high, how = self.write_interference()
         sources["write_interference"] = how
         return Costs(iteration_s=t, diff_bytes=sd, snapshot_bytes=snap_bytes, snapshot_block_s=block_s,
                      write_bytes_per_s=fit.bytes_per_s, write_latency_s=fit.latency_s, replay_step_s=rep,
-                     read_bytes_per_s=read_bw, restart_s=restart_s, write_interference=alpha, sources=sources)
+                     read_bytes_per_s=read_bw, restart_s=restart_s, write_interference=alpha,
+                     write_interference_high=alpha_high, sources=sources)
 
 
 def _drift(old: float, new: float) -> float:

@@ -235,8 +235,21 @@ def test_profiler_estimates_write_interference() -> None:
         p.on_step(i)
         if busy:
             p.on_segment_written(1e5, 0.1)
-    alpha, how = p.write_interference()
+    alpha, high, how = p.write_interference()
     assert alpha == pytest.approx(0.5, rel=0.05), how
+    assert high is not None and alpha <= high <= 1.0
+
+
+def test_max_overhead_is_checked_with_the_high_alpha() -> None:
+    # The same costs with an uncertain alpha: the point that meets the bound at the low estimate does not at the
+    # high one, so the bound is not met (the optimum is still sought with the low estimate).
+    base = Costs(iteration_s=0.1, diff_bytes=1e6, snapshot_bytes=1e8, snapshot_block_s=0.01,
+                 write_bytes_per_s=2e8, write_latency_s=0.02, replay_step_s=0.05, write_interference=0.0)
+    lim = Limits(mtbf_s=3600.0, max_overhead=0.02)
+    low = evaluate(base, lim, 100, 10)
+    high = evaluate(base.replace(write_interference_high=1.0), lim, 100, 10)
+    assert low.overhead == high.overhead and low.overhead <= 0.02 and "max_overhead" not in low.violations
+    assert high.overhead_bound > 0.02 and "max_overhead" in high.violations
 
 
 def _tuner_with_data(clock: FakeClock, step_s: float) -> AutoTuner:
