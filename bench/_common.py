@@ -190,6 +190,18 @@ def run_probe(script: Path, args: list[str], timeout_s: float) -> dict[str, Any]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def raw_write_fsync(path: Path, data: bytes) -> None:
+    """The raw baseline of write bandwidth: os.write the bytes into a new file and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -78,6 +78,7 @@ from _common import (  # noqa: E402
     median,
     output_paths,
     peak_rss_bytes,
+    raw_write_fsync,
     run_probe,
     to_device,
     train_step,
@@ -646,14 +647,7 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
                 seg.unlink()
                 raw = scratch / "raw.bin"
                 t0 = time.perf_counter()
-                fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                raw_write_fsync(raw, data)
                 samples.setdefault(f"raw_{codec}_s", []).append(time.perf_counter() - t0)
                 raw.unlink()
                 del data

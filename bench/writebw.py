@@ -29,7 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, mb, median, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODEL,
+    ROOT,
+    SMOKE_MODEL,
+    machine_info,
+    mb,
+    median,
+    raw_write_fsync,
+    write_json,
+)
 
 from lowdiff.compressors import make_compressor  # noqa: E402
 from lowdiff.storage import atomic, container  # noqa: E402
@@ -56,14 +65,7 @@ def records(grads: dict[str, torch.Tensor], compressor: str, steps: int) -> list
 
 def raw_write(path: Path, data: bytes, commit: bool) -> None:
     tmp = path.with_name(path.name + ".tmp") if commit else path
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    raw_write_fsync(tmp, data)
     if commit:
         os.replace(tmp, path)
         atomic.fsync_dir(path.parent)

@@ -116,13 +116,14 @@ def loss_for(kind: str, model: nn.Module, step: int, seed: int, device: str = "c
     return ((model(x, step) - y) ** 2).mean()
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
+    """Tensors (also inside dicts and lists) moved to the CPU, for comparisons with recovered state."""
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, dict):
-        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        return type(obj)((k, to_cpu(v)) for k, v in obj.items())
     if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
+        return [to_cpu(v) for v in obj]
     return obj
 
 
@@ -219,8 +220,8 @@ class Trainer:
     refs: dict[int, State] = field(default_factory=dict)
 
     def record(self, step: int) -> None:
-        self.refs[step] = (_to_cpu(copy.deepcopy(self.model.state_dict())),
-                           _to_cpu(copy.deepcopy(self.inner.state_dict())))
+        self.refs[step] = (to_cpu(copy.deepcopy(self.model.state_dict())),
+                           to_cpu(copy.deepcopy(self.inner.state_dict())))
 
     def step(self, step: int) -> None:
         s = self.scenario

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lowdiff_harness import Scenario, assert_state_equal, start, train_run
+from lowdiff_harness import Scenario, assert_state_equal, start, to_cpu, train_run
 
 import lowdiff
 import lowdiff.capture
@@ -30,18 +30,8 @@ def _recover_every_step(run_dir: Path, refs: dict, steps: int, device: str) -> N
         rec = lowdiff.recover(run_dir, step=k, device=device)
         assert rec.step == k
         rec.model = {n: v.cpu() for n, v in rec.model.items()}
-        rec.optimizer = _cpu(rec.optimizer)
+        rec.optimizer = to_cpu(rec.optimizer)
         assert_state_equal(*refs[k], rec)
-
-
-def _cpu(obj):  # type: ignore[no-untyped-def]
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return type(obj)((k, _cpu(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
-    return obj
 
 
 @pytest.mark.parametrize("device", DEVICES)
