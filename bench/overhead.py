@@ -259,11 +259,12 @@ class AutoLowDiffMode(LowDiffMode):
     """lowdiff with ``snapshot.every_steps: auto`` and ``log.batch_steps: auto`` (see the module docstring)."""
 
     def __init__(self, comp: str, codec: str, target_window: int, mtbf_hours: float, max_overhead: float,
-                 max_warmup_steps: int) -> None:
+                 max_warmup_steps: int, retune_drift: float | None = None) -> None:
         super().__init__(comp, True, 0, 0, codec, target_window)
         self.name = f"lowdiff-{comp}-auto"
         self.target_window = target_window
         self.mtbf_hours, self.max_overhead, self.max_warmup_steps = mtbf_hours, max_overhead, max_warmup_steps
+        self.retune_drift = retune_drift
         self.k = None  # the tuner's interval, known after warm-up
         self.snapshots_submitted = 0
         self.warmup_steps = 0
@@ -276,6 +277,8 @@ class AutoLowDiffMode(LowDiffMode):
         cfg["snapshot"] = {"every_steps": "auto", "keep": SNAPSHOT_KEEP}
         cfg["log"] = {"batch_steps": "auto", "codec": self.codec}
         cfg["tuner"] = {"mtbf_hours": self.mtbf_hours, "max_overhead": self.max_overhead}
+        if self.retune_drift is not None:
+            cfg["tuner"]["retune_drift"] = self.retune_drift
         return cfg
 
     @property
@@ -289,23 +292,31 @@ class AutoLowDiffMode(LowDiffMode):
         return event
 
     def warm(self, next_batch: Any) -> None:
-        """Until the tuner has decided and a snapshot has followed (its B then in force), then to alignment."""
+        """Until the tuner has decided and a snapshot has followed its latest decision (its B then in force), then
+        to alignment."""
         t0 = time.perf_counter()
         ck, tuner = self.ckpt, self.ckpt.tuner
-        while self.warmup_steps < self.max_warmup_steps:
-            self.step(next_batch())
-            self.warmup_steps += 1
-            if tuner.decisions and ck._last_snapshot_step > tuner.decisions[0].step:
+        while True:
+            seen = len(tuner.decisions)
+            while self.warmup_steps < self.max_warmup_steps:
+                self.step(next_batch())
+                self.warmup_steps += 1
+                # The LATEST decision followed by a snapshot: a re-decision during warm-up must not leave the
+                # windows aligned to an interval no longer in force.
+                if tuner.decisions and ck._last_snapshot_step > tuner.decisions[-1].step:
+                    break
+            f, b = ck.every_steps, ck.batch_steps
+            self.k = f
+            # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows).
+            cands = [w for w in range(b, f + 1, b) if f % w == 0]
+            self.window = min(cands, key=lambda w: (abs(w - self.target_window), w))
+            # Windows start at steps = last snapshot (mod W): run to the step before the next such start.
+            while (self.opt.step_count + 1 - ck._last_snapshot_step) % self.window:
+                self.step(next_batch())
+                self.warmup_steps += 1
+            # Decided again while aligning: align to the new decision (within the warm-up budget).
+            if len(tuner.decisions) == seen or self.warmup_steps >= self.max_warmup_steps:
                 break
-        f, b = ck.every_steps, ck.batch_steps
-        self.k = f
-        # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows).
-        cands = [w for w in range(b, f + 1, b) if f % w == 0]
-        self.window = min(cands, key=lambda w: (abs(w - self.target_window), w))
-        # Windows start at steps = last snapshot (mod W): run to the step before the next such start.
-        while (self.opt.step_count + 1 - ck._last_snapshot_step) % self.window:
-            self.step(next_batch())
-            self.warmup_steps += 1
         self.warmup_s = time.perf_counter() - t0
         decided = bool(tuner.decisions)
         self.alignment = (f"every_steps={f} batch_steps={b} window={self.window} after {self.warmup_steps} warm-up "
@@ -562,7 +573,7 @@ def build_modes(names: list[str] | None, ks: list[int], every: int, window: int,
         modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window))
         if auto is not None and (comp in auto["compressors"] or f"lowdiff-{comp}-auto" in (names or [])):
             modes.append(AutoLowDiffMode(comp, codec, ld_window, auto["mtbf_hours"], auto["max_overhead"],
-                                         auto["max_warmup_steps"]))
+                                         auto["max_warmup_steps"], auto.get("retune_drift")))
     for k in ks:
         modes.append(TorchSaveMode(k))
         modes.append(CheckFreqMode(k))
@@ -822,7 +833,10 @@ def main() -> None:
     spec = model_spec(args)
     names = args.modes.split(",") if args.modes else None
     auto = {"compressors": args.auto_compressors.split(",") if args.auto else [], "mtbf_hours": args.auto_mtbf_hours,
-            "max_overhead": args.auto_max_overhead, "max_warmup_steps": args.auto_max_warmup}
+            "max_overhead": args.auto_max_overhead, "max_warmup_steps": args.auto_max_warmup,
+            # --smoke: a tiny model's write times jitter by more than the default drift, and a re-decision between
+            # warm-up and the end would leave the windows aligned to an interval no longer in force.
+            "retune_drift": 1.0 if args.smoke else None}
     rounds = args.rounds or (2 if args.smoke else 6)
     s = args.window or (2 if args.smoke else 5)
     s_ld = args.lowdiff_window or (2 if args.smoke else 10)

@@ -207,17 +207,17 @@ class Profiler:
                 return statistics.median(self._record_bytes)
             return None
 
-    def write_interference(self) -> tuple[float, float, str]:
+    def write_interference(self) -> tuple[float, float | None, str]:
         """alpha from step durations: duration = T0 + alpha * (seconds of the step during which a write ran).
 
         Returns the estimate minus and plus two standard errors, clamped to [0, 1] (the low one is minimized
         with, the high one checked against ``max_overhead``), and how they were obtained. Without steps both with
-        and without overlapping writes it is not measured: 0 to minimize with, 1 to check the bound with."""
+        and without overlapping writes it is not measured: 0, None."""
         with self._lock:
             steps = list(self._steps)
             spans = list(self._write_spans)
         if not spans or len(steps) < self.min_steps:
-            return 0.0, 1.0, "not measured (no writes in the window); the bound is checked with alpha = 1"
+            return 0.0, None, "not measured (no writes in the window)"
         xs, ys = [], []
         for s0, s1, d in steps:
             ov = sum(max(0.0, min(s1, w1) - max(s0, w0)) for w0, w1 in spans)
@@ -227,10 +227,7 @@ class Profiler:
         busy = [i for i, x in enumerate(xs) if x >= 0.1 * ys[i]]
         idle = [i for i, x in enumerate(xs) if x == 0]
         if len(busy) < 8 or len(idle) < 8:
-            # Typically the writer is busy at nearly every step (frequent snapshots): exactly when contention
-            # matters most, so the bound assumes the worst.
-            return 0.0, 1.0, ("not measured (too few steps with and without a concurrent write); the bound is "
-                              "checked with alpha = 1")
+            return 0.0, None, "not measured (too few steps with and without a concurrent write)"
         # Extra time of a busy step over the idle median, per second of overlap, over the middle half of the
         # busy steps (one preempted step must not decide). On a shared machine step times jitter far more than
         # a write costs, so what is used is the estimate minus two standard errors: noise reads as 0, not as 1.
