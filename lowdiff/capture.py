@@ -85,11 +85,10 @@ class LayerwiseCapture:
         return bool(self._handles)
 
     def ready(self) -> Any:
-        """The event the last capture completes at; the training stream waits for it (on the GPU) so that
-        nothing changes a captured gradient while its copy is still reading it."""
+        """The event the last capture completes at (None on the CPU). Nothing needs to wait for it on the
+        training stream: the copies read the stager's private concatenation, or the stager made the training
+        stream wait itself when it had no room for one."""
         event, self._event = self._event, None
-        if event is not None and self._stager.device is not None:
-            torch.cuda.current_stream(self._stager.device).wait_event(event)
         return event
 
     def remove(self) -> None:

@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Device clones of live tensors may use at most this fraction of the device's free memory.
+# The device-side concatenation of one call may use at most this fraction of the device's free memory.
 SPARE_FRACTION = 0.5
 # Released host buffers kept for reuse, per (dtype, size).
 POOL_MAX_FREE = 64
@@ -93,9 +93,7 @@ class Stager:
         main = torch.cuda.current_stream(self.device)
         nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in cuda)
         spare = nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in cuda:
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
+        by_dtype = _by_dtype(tensors, cuda)
         # With spare memory: one concatenation per dtype on the training stream (a private copy, so live tensors
         # may change at once), then ONE pinned buffer and ONE copy per dtype on the side stream: a few CUDA calls
         # per step instead of several per tensor. Host tensors are views into the pinned buffer.
@@ -105,10 +103,7 @@ class Stager:
         with torch.cuda.stream(self.stream):
             for dt, idx in by_dtype.items():
                 if spare:
-                    parts = torch.split(_pinned(flats[dt]), [tensors[i].numel() for i in idx])
-                    for i, part in zip(idx, parts):
-                        shape = tensors[i].shape
-                        out[i] = part if part.shape == shape else part.view(shape)
+                    _views_into(_pinned(flats[dt]), tensors, idx, out)
                     continue
                 for i in idx:  # no room for copies on the device: read the live tensors themselves
                     out[i] = _pinned(tensors[i].detach())
@@ -131,19 +126,13 @@ def _pinned(src: torch.Tensor) -> torch.Tensor:
 def _pooled_copy(tensors: list[torch.Tensor], live: list[bool],
                  pool: HostPool) -> tuple[list[torch.Tensor], None, Callable[[], None] | None]:
     out = [_host_copy(t, False) for t in tensors]  # CPU: the tensors themselves; CUDA ones copied now
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (t, lv) in enumerate(zip(tensors, live)):
-        if lv and t.device.type == "cpu":
-            by_dtype.setdefault(t.dtype, []).append(i)
     bufs = []
-    for dt, idx in by_dtype.items():
-        sizes = [tensors[i].numel() for i in idx]
-        buf = pool.take(dt, sum(sizes))
+    live_cpu = [i for i, (t, lv) in enumerate(zip(tensors, live)) if lv and t.device.type == "cpu"]
+    for dt, idx in _by_dtype(tensors, live_cpu).items():
+        buf = pool.take(dt, sum(tensors[i].numel() for i in idx))
         torch.cat([tensors[i].detach().reshape(-1) for i in idx], out=buf)
         bufs.append(buf)
-        for i, part in zip(idx, torch.split(buf, sizes)):
-            shape = tensors[i].shape
-            out[i] = part if part.shape == shape else part.view(shape)
+        _views_into(buf, tensors, idx, out)
     if not bufs:
         return out, None, None
 
@@ -152,6 +141,20 @@ def _pooled_copy(tensors: list[torch.Tensor], live: list[bool],
             pool.give(b)
 
     return out, None, release
+
+
+def _by_dtype(tensors: list[torch.Tensor], indices: list[int]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in indices:
+        groups.setdefault(tensors[i].dtype, []).append(i)
+    return groups
+
+
+def _views_into(flat: torch.Tensor, tensors: list[torch.Tensor], idx: list[int], out: list[torch.Tensor]) -> None:
+    """out[i] = the piece of ``flat`` holding tensors[i] (concatenated in ``idx`` order), in its shape."""
+    for i, part in zip(idx, torch.split(flat, [tensors[i].numel() for i in idx])):
+        shape = tensors[i].shape
+        out[i] = part if part.shape == shape else part.view(shape)
 
 
 def _host_copy(t: torch.Tensor, live: bool) -> torch.Tensor:
