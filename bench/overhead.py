@@ -1,11 +1,12 @@
 """Overhead of checkpointing every iteration, against the same training without it and against full-checkpoint
 baselines (torch.save, CheckFreq-style async, torch.distributed.checkpoint async_save, naive differential).
 
-    python bench/overhead.py            # the real run (~15 min on 2 cores); writes bench/results, docs/
+    python bench/overhead.py            # the real run (~18 min on 2 cores); writes bench/results, docs/
     python bench/overhead.py --smoke --out-dir /tmp/x   # seconds; what tests/bench runs
     python bench/overhead.py --device cuda --model-size 50m   # on a GPU: bench/results/overhead-cuda.json, docs/
         # 50m: a full checkpoint is 595 MB and compressor none logs 200 MB per step; on a small disk add --tidy
-        # and leave lowdiff-none out (--modes); the 9 GB free on the H100 test machine did not hold a full run
+        # and leave lowdiff-none(-layerwise) out (--modes); the 9 GB free on the H100 test machine did not hold a
+        # full run
     python bench/overhead.py --modes lowdiff-topk-auto --out-name overhead-auto   # tuner-chosen settings only
 
 On ``--device cuda`` the model, the optimizer state and the batches live on the GPU; the stream is synchronized at
@@ -24,12 +25,21 @@ so snapshot steps start windows; the reference is its ``enabled: false`` twin ``
 is stratified as for the fixed modes (rounds >= F / W are needed to see a snapshot). At a window's end it waits for
 the writer to commit the complete segments and snapshots (no flush: that would cut segments shorter than B).
 
+LowDiff+ variants (issue #8), compressor none, each with the reference ``lowdiff-none-off`` and otherwise like
+``lowdiff-none``: ``lowdiff-none-shadow`` (``snapshot.shadow: true``: full snapshots are written from a CPU replica
+that the writer keeps in step; CPU only) and ``lowdiff-none-layerwise`` (``log.capture: layerwise``: post-accumulate-
+grad hooks copy gradients during backward; the hooks are on the shared model, so they are removed outside this
+mode's warm-up and windows). Every step clips its gradients (clip_grad_norm_ 1.0) unless ``--no-clip``; clipping
+changes the gradients after backward, so lowdiff finds the layer-wise captures stale and removes its hooks after
+3 steps (the JSON's ``capture`` says when): ``--modes lowdiff-none-layerwise --no-clip`` measures the hooks.
+
 Protocol (one process, one model, one AdamW shared by every mode, so every mode trains the same tensors):
   * every mode is warmed up, then R rounds. A round runs windows of consecutive training steps: plain training
     (P) and every baseline X alternate, P X1 P X2 ... Xn P (the baselines' order rotates each round), and the
-    lowdiff modes run as (C off, C on, C off) for each compressor C, before or after that chain (alternating
-    by round). Step times are wall-clock per step (forward, backward, clipping, optimizer step,
-    checkpoint work on the training thread); process CPU time per window (all threads) is recorded too.
+    lowdiff modes run as (C off, C on, C off) for each compressor C and each variant of C (none off,
+    none-shadow, none off; ...), before or after that chain (alternating by round). Step times are wall-clock
+    per step (forward, backward, clipping, optimizer step, checkpoint work on the training thread); process CPU
+    time per window (all threads) is recorded too.
   * a window's ratio = its mean step time / the mean step time of its reference measured next to it in time:
     for a baseline, the mean of the two plain windows around it; for lowdiff with compressor C, the mean of the
     two windows of lowdiff with C and ``enabled: false`` around it (the lowdiff block of a round is
@@ -43,6 +53,11 @@ Protocol (one process, one model, one AdamW shared by every mode, so every mode 
   * background work (lowdiff's writer, CheckFreq's persist thread, DCP's upload) still running when a window
     ends is waited for OUTSIDE the timed window (so it cannot slow the next window); that wait is reported, and
     ``ratio_incl_drain`` charges it to the window as if it had blocked training (an upper bound).
+  * the step-time tail (issue #8: does a step wait for a snapshot?), per mode over all its timed steps:
+    ``max_over_median`` = slowest / median step time, ``event_steps_over_others`` = median of the steps with a
+    checkpoint event (lowdiff: snapshot steps) / median of the others (None unless both were timed; how many event
+    steps in ``event_steps_timed``; which step of each window in the windows' ``event_steps``). Plain's own
+    max / median is the noise floor of the shared machine.
 """
 
 from __future__ import annotations
@@ -81,9 +96,9 @@ from _common import (  # noqa: E402
     raw_write_fsync,
     run_probe,
     to_device,
-    train_step,
     write_json,
 )
+from _common import train_step as _train_step  # noqa: E402
 
 import lowdiff  # noqa: E402
 import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
@@ -99,6 +114,21 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
 PSGD_RANK = 4
 DEVICE = torch.device("cpu")  # set by --device
 SNAPSHOT_KEEP = 0  # lowdiff's snapshot.keep (1 with --tidy)
+CLIP = True  # clip_grad_norm_(1.0) in every mode's step (False with --no-clip)
+
+
+def train_step(model: torch.nn.Module, opt: Any, batch: Any) -> None:
+    """bench/_common.train_step (forward, backward, clip_grad_norm_ 1.0, step, zero_grad); without the clipping
+    under --no-clip (clipping scales every gradient in place after backward, which makes layer-wise captures
+    stale: lowdiff then removes its hooks and copies in step())."""
+    if CLIP:
+        _train_step(model, opt, batch)
+        return
+    x, y = batch
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def sync() -> None:
@@ -119,6 +149,7 @@ def lz4_available() -> bool:
 _SEGMENT_LOG: dict[str, list[tuple[int, float]]] = {}
 _LAST_RECORDS: dict[str, list[Any]] = {}
 _KEEP_RECORDS = 0
+_NO_KEEP: set[str] = set()  # run dirs whose records the bandwidth test does not need (the LowDiff+ variants)
 
 
 def _timed_write_segment(run_dir: Path, records: list[Any], *args: Any, **kwargs: Any) -> int:
@@ -127,7 +158,7 @@ def _timed_write_segment(run_dir: Path, records: list[Any], *args: Any, **kwargs
     dt = time.perf_counter() - t0
     key = str(run_dir)
     _SEGMENT_LOG.setdefault(key, []).append((n, dt))
-    if _KEEP_RECORDS:
+    if _KEEP_RECORDS and key not in _NO_KEEP:
         kept = _LAST_RECORDS.setdefault(key, [])
         kept.extend(records)
         del kept[:-_KEEP_RECORDS]
@@ -171,6 +202,9 @@ class Mode:
 
     def start_timed(self) -> None:
         """Called after warm-up: reset counters so events align with window starts."""
+
+    def begin_window(self) -> None:
+        """Called right before a timed window (untimed)."""
 
     def end_window(self) -> float:
         return 0.0
@@ -253,6 +287,101 @@ class LowDiffMode(Mode):
 
     def close(self) -> None:
         self.opt.close()
+
+
+class LowDiffPlusMode(LowDiffMode):
+    """A LowDiff+ variant of ``lowdiff-C`` (compressor none): ``lowdiff-C-shadow`` (``snapshot.shadow: true``: the
+    writer keeps a CPU replica and writes full snapshots from it) or ``lowdiff-C-layerwise`` (``log.capture:
+    layerwise``: post-accumulate-grad hooks copy gradients during backward). Otherwise like ``lowdiff-C``, with the
+    same reference ``lowdiff-C-off``.
+
+    The model is shared by every mode, so the layer-wise hooks (on its parameters) are removed outside this mode's
+    warm-up and windows (untimed) and put back before them; if lowdiff removes them itself (captures stale in
+    STALE_STEPS_LIMIT steps in a row, e.g. by gradient clipping), they stay removed, as in training."""
+
+    VARIANTS = ("shadow", "layerwise")
+
+    def __init__(self, comp: str, variant: str, every: int, batch_steps: int, codec: str, align: int) -> None:
+        assert variant in self.VARIANTS, variant
+        super().__init__(comp, True, every, batch_steps, codec, align)
+        self.variant = variant
+        self.name = f"lowdiff-{comp}-{variant}"
+        self._suspended = False  # hooks removed by the benchmark (between this mode's windows)
+        self.hooks_removed_by_lowdiff_at: int | None = None
+        self._captures0 = (0, 0)  # (hits, misses) at the start of the timed rounds
+
+    def config(self) -> dict[str, Any]:
+        cfg = super().config()
+        if self.variant == "shadow":
+            cfg["snapshot"]["shadow"] = True
+        else:
+            cfg["log"]["capture"] = "layerwise"
+        return cfg
+
+    def setup(self, ctx: Ctx) -> None:
+        super().setup(ctx)
+        _NO_KEEP.add(str(self.run_dir))  # same records as lowdiff-C: no second bandwidth test
+        lw = self.opt._layerwise
+        if lw is not None:
+            # The parameters LayerwiseCapture hooks (lowdiff/optimizer.py), to hook them again after a pause.
+            self._hooked = [(n, p) for n, p in self.opt._spec.optimized if n in self.opt._owned_log]
+            self._hooks(False)
+
+    def _hooks(self, on: bool) -> None:
+        lw = self.opt._layerwise
+        if lw is None:
+            return
+        if on and self._suspended:
+            lw._handles = [p.register_post_accumulate_grad_hook(lw._hook_for(n)) for n, p in self._hooked]
+            self._suspended = False
+        elif not on and lw.active:
+            lw.remove()
+            self._suspended = True
+
+    def warm(self, next_batch: Any) -> None:
+        self._hooks(True)
+        super().warm(next_batch)
+        self._hooks(False)
+
+    def start_timed(self) -> None:
+        super().start_timed()
+        lw = self.opt._layerwise
+        if lw is not None:
+            self._captures0 = (lw.hits, lw.misses)
+
+    def begin_window(self) -> None:
+        self._hooks(True)
+
+    def step(self, batch: Any) -> bool:
+        self._hooks(True)  # a no-op after begin_window (the memory probe calls step() alone)
+        event = super().step(batch)
+        lw = self.opt._layerwise
+        if lw is not None and not lw.active and not self._suspended and self.hooks_removed_by_lowdiff_at is None:
+            self.hooks_removed_by_lowdiff_at = self.opt.step_count
+        return event
+
+    def end_window(self) -> float:
+        wait = super().end_window()
+        self._hooks(False)
+        return wait
+
+    def info(self) -> dict[str, Any]:
+        out = super().info()
+        out["variant"] = self.variant
+        ck = self.opt._checkpointer
+        writer = ck._writer if ck is not None else None
+        if self.variant == "shadow":
+            # False when the replica failed and snapshots fell back to the training thread (logged as an error).
+            out["shadow_in_force"] = bool(writer is not None and writer.shadow_ok)
+        lw = self.opt._layerwise
+        if lw is not None:
+            # Gradients of the timed steps taken from the hooks' copies (hits) or captured but changed after
+            # backward, so copied again in step() (misses); the last partial bucket is always copied in step().
+            out["capture"] = {"hits_timed": lw.hits - self._captures0[0],
+                              "misses_timed": lw.misses - self._captures0[1],
+                              "hooks_active": lw.active or self._suspended,
+                              "hooks_removed_by_lowdiff_at_step": self.hooks_removed_by_lowdiff_at}
+        return out
 
 
 class AutoLowDiffMode(LowDiffMode):
@@ -566,11 +695,16 @@ def dcp_available() -> tuple[bool, str]:
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
                 batch_steps: dict[str, int], with_dcp: bool, auto: dict[str, Any] | None = None) -> list[Mode]:
     """``auto``: {"compressors": [...], "mtbf_hours", "max_overhead", "max_warmup_steps"} adds lowdiff-C-auto for
-    those compressors (and for any named in ``names``)."""
+    those compressors (and for any named in ``names``). Compressor none also gets the LowDiff+ variants
+    lowdiff-none-shadow (CPU only) and lowdiff-none-layerwise."""
     modes: list[Mode] = [Mode("plain")]
     for comp in ("topk", "powersgd", "none"):
         modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window))
         modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window))
+        if comp == "none":  # the LowDiff+ variants (the shadow replica is refused when training on a GPU)
+            for variant in LowDiffPlusMode.VARIANTS:
+                if not (variant == "shadow" and DEVICE.type != "cpu"):
+                    modes.append(LowDiffPlusMode(comp, variant, every, batch_steps[comp], codec, ld_window))
         if auto is not None and (comp in auto["compressors"] or f"lowdiff-{comp}-auto" in (names or [])):
             modes.append(AutoLowDiffMode(comp, codec, ld_window, auto["mtbf_hours"], auto["max_overhead"],
                                          auto["max_warmup_steps"], auto.get("retune_drift")))
@@ -625,6 +759,20 @@ def stratified(ratios: list[float], events: list[int], k: int | None, s: int) ->
         f"{len(with_ev)} round(s) with a checkpoint event")
 
 
+def step_tail(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step-time tail of one mode over all its timed steps (issue #8: does a step wait for a snapshot?):
+    max / median step time, and the median of the steps that took a checkpoint event (a lowdiff snapshot step, a
+    baseline's save) over the median of the other steps (None unless both kinds were timed)."""
+    times = [t for w in windows for t in w["step_s"]]
+    at = [w["step_s"][i] for w in windows for i in w.get("event_steps", [])]
+    other = [t for w in windows for i, t in enumerate(w["step_s"]) if i not in w.get("event_steps", [])]
+    med = median(times)
+    return {"step_median_s": med, "step_max_s": max(times) if times else None,
+            "max_over_median": max(times) / med if times and med > 0 else None,
+            "event_steps_timed": len(at),
+            "event_steps_over_others": median(at) / median(other) if at and other else None}
+
+
 # -- the benchmark ----------------------------------------------------------------------------------------------------
 
 
@@ -634,7 +782,7 @@ def measure_bandwidth(modes: list[Mode], work: Path, reps: int, max_bytes: int) 
     out: dict[str, Any] = {}
     codecs = ("lz4", "none") if lz4_available() else ("none",)
     for m in modes:
-        if not isinstance(m, LowDiffMode) or not m.enabled or isinstance(m, AutoLowDiffMode):
+        if not isinstance(m, LowDiffMode) or not m.enabled or isinstance(m, (AutoLowDiffMode, LowDiffPlusMode)):
             continue
         recs = _LAST_RECORDS.get(str(m.run_dir), [])
         if not recs:
@@ -681,8 +829,9 @@ def model_spec(args: argparse.Namespace) -> Any:
 
 
 def set_device(args: argparse.Namespace) -> None:
-    global DEVICE, SNAPSHOT_KEEP
+    global DEVICE, SNAPSHOT_KEEP, CLIP
     SNAPSHOT_KEEP = 1 if getattr(args, "tidy", False) else 0
+    CLIP = not getattr(args, "no_clip", False)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False")
     DEVICE = torch.device(args.device)
@@ -730,6 +879,7 @@ def measure_memory(args: argparse.Namespace, every: int, with_dcp: bool) -> dict
                                        "--batch-steps", str(args.batch_steps),
                                        "--batch-steps-none", str(args.batch_steps_none),
                                        "--probe-steps", "3" if args.smoke else "6",
+                                       *(["--no-clip"] if args.no_clip else []),
                                        *(["--smoke"] if args.smoke else [])], timeout_s=600)
         memory["peak_rss_bytes"][name] = r["peak_rss_bytes"]
         memory["cuda_peak_allocated_bytes"][name] = r.get("cuda_peak_allocated_bytes")
@@ -805,6 +955,10 @@ def main() -> None:
     ap.add_argument("--auto-max-warmup", type=int, default=2000,
                     help="most warm-up steps an auto mode waits for the tuner's first decision and a snapshot after")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: see docs)")
+    ap.add_argument("--no-clip", action="store_true",
+                    help="no clip_grad_norm_ in any mode: clipping scales gradients in place after backward, so "
+                         "lowdiff-none-layerwise's captures go stale and lowdiff removes its hooks (the mode then "
+                         "measures the step() copy); use with --modes lowdiff-none-layerwise to measure the hooks")
     ap.add_argument("--modes", help="comma-separated subset of modes (plus their references)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-RSS subprocesses")
     ap.add_argument("--bw-reps", type=int)
@@ -857,6 +1011,10 @@ def main() -> None:
     notes: list[str] = []
     with_dcp, dcp_note = dcp_available()
     notes.append(dcp_note)
+    have = [m.name for m in build_modes(None, ks, every, s, s_ld, args.codec, _batch_steps(args), with_dcp, auto)]
+    unknown = sorted(set(names or []) - set(have) - {f"lowdiff-{c}-auto" for c in ("topk", "powersgd", "none")})
+    if unknown:
+        ap.error(f"--modes: unknown or not available here: {', '.join(unknown)} (have: {', '.join(have)})")
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="lowdiff-overhead-", dir=args.work_dir))
     info = machine_info()
@@ -903,14 +1061,16 @@ def main() -> None:
         def run_window(m: Mode) -> dict[str, Any]:
             nonlocal gi
             n = m.window
-            times, events = [], 0
+            times, event_at = [], []
+            m.begin_window()
             sync()  # on a GPU: nothing of the previous window runs into this one
             c0 = time.process_time()
             for i in range(n):
                 b = batches[gi % len(batches)]
                 gi += 1
                 t0 = time.perf_counter()
-                events += m.step(b)
+                if m.step(b):
+                    event_at.append(i)
                 if i == n - 1:
                     sync()  # the last step's time absorbs the queued GPU work: the window's sum is real
                 times.append(time.perf_counter() - t0)
@@ -919,7 +1079,8 @@ def main() -> None:
             if args.tidy:
                 m.tidy()
             return {"mode": m.name, "mean_step_s": sum(times) / n, "cpu_step_s": cpu / n, "step_s": times,
-                    "events": events, "drain_s": wait, "t_s": time.perf_counter() - t_start}
+                    "events": len(event_at), "event_steps": event_at, "drain_s": wait,
+                    "t_s": time.perf_counter() - t_start}
 
         windows: list[list[dict[str, Any]]] = []  # per round, in execution order
         for r in range(rounds):
@@ -981,6 +1142,7 @@ def main() -> None:
                 "bytes_per_step": (m.bytes_written() - bytes0[m.name]) / total_steps[m.name],
                 "compress_s_per_step": (m.compress_s - comp0[m.name]) / total_steps[m.name],
                 "drain_s_per_window": median([w["drain_s"] for w in mine]),
+                **step_tail(mine),
                 "round_ratios": d["wall"], "round_ratios_cpu": d["cpu"], "windows": mine, **m.info(),
             }
             if isinstance(m, LowDiffMode):
@@ -1015,7 +1177,8 @@ def main() -> None:
                          "lowdiff_snapshot_every_steps": every,
                          "lowdiff_batch_steps": _batch_steps(args), "codec": args.codec, "torch_threads": args.threads,
                          "auto": auto, "tidy": args.tidy, "snapshot_keep": SNAPSHOT_KEEP,
-                         "optimizer": "AdamW(lr=3e-4), clip_grad_norm 1.0", "topk_ratio": TOPK_RATIO,
+                         "optimizer": "AdamW(lr=3e-4)" + (", clip_grad_norm 1.0" if CLIP else ", no clipping"),
+                         "clip_grad_norm": CLIP, "topk_ratio": TOPK_RATIO,
                          "powersgd_rank": PSGD_RANK},
             "modes": results, "bandwidth": bandwidth, "memory": memory, "notes": notes,
             "runtime_s": time.perf_counter() - t_start, "loadavg_end": os.getloadavg(),
@@ -1039,6 +1202,9 @@ GPU_CAVEATS = [
     "GPU: the stream is synchronized at window boundaries only, so a window's mean step time is real and the "
     "per-step times inside it are host-side; compression times are host-side (the -off twin's ratio to plain is "
     "the real compression cost). Checkpoints go to the machine's local disk.",
+    "GPU: 'max / median step' and 'event steps / others' use those host-side per-step times, and the last step of "
+    "each window absorbs the queued GPU work, so they are no measure of the GPU's step-time tail (bench/steptimes.py "
+    "times each step to the end of its kernels).",
 ]
 CAVEATS = [
     "Shared machine: other jobs load the 2 cores (load averages in the header), so wall-clock ratios carry "
@@ -1052,6 +1218,16 @@ CAVEATS = [
 
 def _iqr(q: list[float] | None) -> str:
     return "-" if not q else f"{(q[0] - 1) * 100:+.0f} .. {(q[1] - 1) * 100:+.0f} %"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+
+
+def _tail(r: dict[str, Any]) -> tuple[str, str]:
+    """The 'max / median step' and 'event steps / others' cells ('-' for results without them)."""
+    ev = r.get("event_steps_over_others")
+    return _x(r.get("max_over_median")), "-" if ev is None else f"{ev:.2f} ({r['event_steps_timed']})"
 
 
 def write_markdown(path: Path, out: dict[str, Any]) -> None:
@@ -1081,9 +1257,27 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         "the same ratio on process CPU time (all threads, so background work counts in full; waiting on the disk "
         "does not). Peak RSS: " + out["memory"].get("method", "not measured") + ".",
         "",
+    ]
+    if any(n.startswith("lowdiff-none") for n in out["modes"]):
+        lines += [
+            "LowDiff+ variants of compressor none, each between two windows of `lowdiff-none-off` like "
+            "`lowdiff-none`: `lowdiff-none-shadow` (`snapshot.shadow: true`: the writer thread keeps a CPU replica "
+            "in step by applying every logged step and writes the full snapshots from it, so the training thread "
+            "never copies its state for them; CPU only) and `lowdiff-none-layerwise` (`log.capture: layerwise`: "
+            "post-accumulate-grad hooks copy each gradient during backward; lowdiff removes them when gradients "
+            "change after backward, as clipping does).",
+            "",
+        ]
+    lines += [
+        "Step-time tail, per mode over all its timed steps: 'max / median step' = slowest step / median step (plain's "
+        "own, below the table, is the machine's noise floor); 'event steps / others' = median of the steps that took "
+        "a checkpoint event (a lowdiff snapshot step, a baseline's save; how many in parentheses) / median of the "
+        "other steps, '-' when no event fell in a timed window or every step had one. Issue #8's bar for "
+        "`snapshot.shadow: true`: no step waits for a full snapshot, max / median within 1.2.",
+        "",
         "| mode | k | overhead vs ref | IQR over rounds | ref | incl. drain | CPU | vs plain | bytes/step | "
-        "payload/step | peak RSS over plain | compress/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "payload/step | peak RSS over plain | compress/step | max / median step | event steps / others |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in out["modes"].items():
         if name == "plain":
@@ -1098,8 +1292,41 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
             f"{_pct(r['ratio_incl_drain'])} | {_pct(r.get('ratio_cpu'))} | {_pct(r['ratio_vs_plain'])} | "
             f"{mb(r['bytes_per_step']):.2f} MB | "
             f"{'-' if payload is None else f'{mb(payload):.2f} MB'} | "
-            f"{'-' if rss is None else f'{mb(rss):.0f} MB'} | {r['compress_s_per_step'] * 1e3:.1f} ms |")
-    lines += ["", f"Plain training: median {out['modes']['plain']['median_step_s']:.3f} s per step.", ""]
+            f"{'-' if rss is None else f'{mb(rss):.0f} MB'} | {r['compress_s_per_step'] * 1e3:.1f} ms | "
+            f"{' | '.join(_tail(r))} |")
+    pl = out["modes"]["plain"]
+    lines += ["", f"Plain training: median {pl['median_step_s']:.3f} s per step"
+              + (f"; max / median step {_x(pl['max_over_median'])}." if pl.get("max_over_median") else "."), ""]
+    plus = {n: r for n, r in out["modes"].items() if r.get("variant")}
+    if plus:
+        lines += ["## LowDiff+ variants (compressor none)", "",
+                  "Against the same reference, `lowdiff-none-off`; `lowdiff-none` for comparison.", "",
+                  "| mode | overhead vs ref | CPU | max / median step | snapshot steps / others | |",
+                  "|---|---|---|---|---|---|"]
+        for name in ["lowdiff-none", *plus]:
+            r = out["modes"].get(name)
+            if r is None:
+                continue
+            note = ""
+            if r.get("variant") == "shadow":
+                mom = r.get("max_over_median")
+                bar = "-" if mom is None else ("met" if mom <= 1.2 else "NOT met")
+                note = (f"issue #8 bar (max / median <= 1.2): {bar} (plain's own: {_x(pl.get('max_over_median'))}); "
+                        + ("snapshots written from the replica throughout" if r.get("shadow_in_force") else
+                           "REPLICA FAILED: snapshots fell back to the training thread (see the log)"))
+            elif r.get("variant") == "layerwise" and r.get("capture"):
+                c = r["capture"]
+                note = (f"timed steps: {c['hits_timed']} gradients taken from the hooks' copies, "
+                        f"{c['misses_timed']} stale")
+                removed = c.get("hooks_removed_by_lowdiff_at_step")
+                if removed is not None:
+                    why = ("clip_grad_norm_ scales them in place; --no-clip measures the hooks"
+                           if pr.get("clip_grad_norm", True) else "stale captures")
+                    note += (f"; lowdiff removed its hooks at step {removed} ({why}), so later steps copy in step() "
+                             "as lowdiff-none does")
+            mom, ev = _tail(r)
+            lines.append(f"| {name} | {_pct(r['ratio'])} | {_pct(r.get('ratio_cpu'))} | {mom} | {ev} | {note} |")
+        lines.append("")
     if out["bandwidth"]:
         lines += ["## Segment write bandwidth", "",
                   "lowdiff's `write_segment` (encode, HDF5 container, pwrite, fsync, rename, directory fsync) on the "

@@ -42,6 +42,37 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert modes["torchsave-k1"]["bytes_per_step"] > modes["lowdiff-topk"]["log_bytes_per_step"]
     assert "lowdiff-topk" in out["bandwidth"]
     assert "peak_rss_over_plain_bytes" in modes["lowdiff-topk"]
+    # The LowDiff+ variants (issue #8): same reference as lowdiff-none, and the step-time tail for every mode.
+    for variant in ("shadow", "layerwise"):
+        r = modes[f"lowdiff-none-{variant}"]
+        assert r["reference"] == "lowdiff-none-off" and r["variant"] == variant and r["bytes_per_step"] > 0
+    assert modes["lowdiff-none-shadow"]["shadow_in_force"] is True
+    assert {"hits_timed", "misses_timed", "hooks_active"} <= set(modes["lowdiff-none-layerwise"]["capture"])
+    for name, r in modes.items():
+        assert r["max_over_median"] >= 1.0, name
+        assert all("event_steps" in w for w in r["windows"]), name
+    for name in ("lowdiff-none", "lowdiff-none-shadow", "lowdiff-none-layerwise"):
+        # --smoke: snapshot every 4 steps, windows of 2: step 4 starts the second round's window
+        assert modes[name]["event_steps_timed"] >= 1 and modes[name]["event_steps_over_others"] > 0, name
+    assert modes["lowdiff-none-off"]["event_steps_over_others"] is None
+    md = (tmp_path / "overhead.md").read_text()
+    assert "| max / median step | event steps / others |" in md and "## LowDiff+ variants" in md
+
+
+def test_overhead_render_only_old_json(tmp_path: Path) -> None:
+    """--render-only on a result written before the step-time tail and the LowDiff+ variants: new cells are '-'."""
+    old = json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
+    for r in old["modes"].values():
+        for key in ("max_over_median", "event_steps_over_others", "event_steps_timed", "variant"):
+            r.pop(key, None)
+    (tmp_path / "overhead.json").write_text(json.dumps(old))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "overhead.py"), "--render-only",
+                        "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [ln for ln in (tmp_path / "overhead.md").read_text().splitlines() if ln.startswith("| lowdiff-none |")]
+    assert rows and rows[0].endswith("| - | - |"), rows
 
 
 def test_recovery_smoke(tmp_path: Path) -> None:
