@@ -201,9 +201,9 @@ def main() -> None:
         for rep in range(reps):
             for L in lengths:
                 for w in workers:
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    t0, c0 = time.perf_counter(), _cpu_s()
                     rec = lowdiff.recover(run_dir, step=L, workers=w)
-                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
                     rp = rec.report
                     replay.setdefault(f"{L}/{w}", []).append({
                         "wall_s": wall, "cpu_s": cpu, "total_s": rp.total_s, "loadavg": os.getloadavg()[0],
@@ -300,12 +300,12 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         if "speedup_w2_over_w1" in r:
             cells.append(f"{r['speedup_w2_over_w1']:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "CPU time of the recovering process (all its threads; less sensitive than wall time to other jobs "
-              "on the shared machine): " + "; ".join(
+    lines += ["", "CPU time of the recovery (the process, all its threads and its replay worker processes; less "
+              "sensitive than wall time to other jobs on the shared machine): " + "; ".join(
                   f"L={r['steps']}: " + ", ".join(f"{w} worker(s) {r[f'replay_w{w}_cpu_s']:.2f} s" for w in ws
                                                  if f"replay_w{w}_cpu_s" in r) for r in out["rows"]) + ".",
-              "", "Phases of the longest replay (seconds of wall time in the recovering process; `apply` is the "
-              "optimizer steps, run by all worker threads at once):", ""]
+              "", "Phases of the longest replay (seconds of wall time in the recovering process, which replays share 0 "
+              "while the worker processes replay the others; `apply` is the optimizer steps):", ""]
     last = out["rows"][-1]
     for w in ws:
         ph = last[f"phases_w{w}"]
@@ -318,8 +318,9 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
     if out["memory"]["probes"]:
         lines += ["## Peak memory", "",
                   "Fresh process per row; PSS of the process and any children sampled every 20 ms, minus the "
-                  "PSS before recovery (interpreter + torch + lowdiff imported). Replay workers are threads of "
-                  "the process and share its tensors.", "",
+                  "PSS before recovery (interpreter + torch + lowdiff imported). Replay worker processes are "
+                  "forked children; the parameters and optimizer state they step are in memory shared with the "
+                  "parent, which PSS counts once.", "",
                   "| what | peak above start | / model+AdamW state | peak RSS of the parent process (VmHWM) |",
                   "|---|---|---|---|"]
         for name, v in out["memory"]["probes"].items():
@@ -327,6 +328,12 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
                          f"{mb(v['peak_rss_self_bytes']):.0f} MB |")
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process (all threads) plus its reaped children (the replay worker processes)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def plot(path: Path, out: dict[str, Any]) -> None:
@@ -344,8 +351,9 @@ def plot(path: Path, out: dict[str, Any]) -> None:
     extra = [(r["steps"], r["recompute_s"]) for r in rows if not r["recompute_measured"]]
     ax.plot([p[0] for p in meas], [p[1] for p in meas], "s-", color="C3", label="recompute (measured)")
     if extra:
-        ax.plot([meas[-1][0], *[p[0] for p in extra]], [meas[-1][1], *[p[1] for p in extra]], "s--", color="C3",
-                alpha=0.5, label="recompute (extrapolated)")
+        start = meas[-1:]  # the extrapolated line continues the measured one, when there is one
+        ax.plot([*[p[0] for p in start], *[p[0] for p in extra]], [*[p[1] for p in start], *[p[1] for p in extra]],
+                "s--", color="C3", alpha=0.5, label="recompute (extrapolated)")
     ax.axhline(rows[0]["full_load_s"], color="grey", ls=":", label="torch.load full state")
     ax.set_xlabel("logged steps replayed")
     ax.set_ylabel("time to recovered state (s)")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lowdiff.errors import CorruptFileError, StepNotAvailableError
+from lowdiff.recovery import procs
 from lowdiff.recovery.replayer import (
     ELEMENTWISE_OPTIMIZERS,
     PartitionResult,
@@ -128,12 +129,15 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     if workers > 1 and device != "cpu":
         mode = f"sequential (parallel replay runs on cpu, not {device})"
         workers = 1
+    if workers > 1 and nsteps > 0:
+        unsafe = procs.fork_unsafe_reason()
+        if unsafe is not None:
+            mode, workers = f"sequential ({unsafe})", 1
     if workers == 1 or nsteps == 0:
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress), 1, mode
-    # Threads, not processes: torch kernels release the GIL, so W threads can step disjoint chunks at once while
-    # sharing the state (no fork, no copy of the results, peak memory as for one worker). One intra-op thread
-    # each. On the 2 shared cores measured so far this was not faster than one worker (docs/recovery.md).
+    # Processes, not threads: threads stepping disjoint chunks were slower than one (the optimizer's per-chunk
+    # Python serializes on the GIL; docs/recovery.md). One intra-op thread each.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -141,7 +145,9 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
                                   device, progress, workers=workers)
     finally:
         torch.set_num_threads(threads)
-    return result, workers, "parallel"
+    if result.workers == 1:
+        return result, 1, result.note or "sequential"
+    return result, result.workers, "parallel"
 
 
 def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,

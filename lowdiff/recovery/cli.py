@@ -27,7 +27,7 @@ from lowdiff.tuner import DECISIONS_FILE, format_decisions
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run directory (holds manifest.json)")
     p.add_argument("--step", type=int, default=None, help="step to rebuild (default: latest durable)")
-    p.add_argument("--workers", type=int, default=None, help="replay worker threads (default: automatic)")
+    p.add_argument("--workers", type=int, default=None, help="replay worker processes (default: automatic)")
     p.add_argument("--output", default=None, help="write {step, model, optimizer} here (torch.save, plain tensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -38,6 +38,8 @@ def _cmd_recover(args: argparse.Namespace) -> int:
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
+        # No monitor thread: replay worker processes are forked only from a process without other threads.
+        tqdm.monitor_interval = 0
         bar = tqdm(desc="replaying", unit="step", file=sys.stderr)
         progress = bar.update
     try:
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("run_dir")
     cp.add_argument("--step", type=int, default=None, help="step to snapshot (default: latest durable)")
     cp.add_argument("--keep", type=int, default=None, help="then keep only the newest N snapshots (and their log)")
-    cp.add_argument("--workers", type=int, default=None, help="replay worker threads")
+    cp.add_argument("--workers", type=int, default=None, help="replay worker processes")
     args = p.parse_args(argv)
     fn = {"recover": _cmd_recover, "inspect": _cmd_inspect, "verify": _cmd_verify,
           "compact": _cmd_compact}[args.command]

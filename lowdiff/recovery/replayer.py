@@ -6,8 +6,10 @@ replayer exploits that twice, never merging several steps into one:
 * cache blocking: every parameter (and its optimizer state) is cut into contiguous chunks of ``CHUNK_ELEMS``
   elements, each a *view* handed to its own optimizer entry, so the optimizer's ~8 passes per step run over
   a chunk that stays in cache instead of streaming the whole model through memory 8 times;
-* workers: the chunks are spread over ``workers`` threads (balanced by elements), each stepping its own
-  optimizer instance; torch kernels release the GIL, the state is shared (no copies, no pickling).
+* workers: the chunks are cut into ``workers`` contiguous shares of about equal elements, each replayed by its
+  own process (lowdiff/recovery/procs.py) that reads and decodes only its tensors' columns and steps its own
+  optimizer instance through every step in order, in place in memory shared with the caller (no copies of the
+  state, nothing pickled but each chunk's small scalar state at the end).
 
 Chunk boundaries are multiples of 4096 elements from the start of the tensor, so every element goes through the
 same (vectorized or scalar-tail) kernel path as in training. ``tests/property/test_exactness.py`` checks the
@@ -16,9 +18,11 @@ result bit for bit against the uninterrupted run with tiny chunks, and workers=2
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
+import mmap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +32,7 @@ import torch
 
 from lowdiff.compressors import decode_payload
 from lowdiff.errors import CorruptFileError, UnsupportedError
+from lowdiff.recovery import procs
 from lowdiff.storage.format import DTYPES, FileSet, decode_value
 from lowdiff.storage.log_reader import Segment
 from lowdiff.storage.manifest import Manifest
@@ -86,6 +91,10 @@ class PartitionResult:
     bytes_read: int = 0
     steps: int = 0
     times: PhaseTimes = field(default_factory=PhaseTimes)
+    workers: int = 1
+    """Processes that replayed a share (1: this one alone)."""
+    note: str = ""
+    """Why fewer workers than asked for took part (empty: as asked)."""
 
 
 def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segment], target: int,
@@ -93,8 +102,9 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
                      device: str = "cpu", progress: Any = None, workers: int = 1) -> PartitionResult:
     """Replay parameters ``names`` (None: all) from the snapshot to ``target``; returns CPU tensors.
 
-    ``workers`` > 1 steps disjoint chunks of the tensors in that many threads (element-wise optimizers only;
-    the caller checks); the result is bit-identical to ``workers=1``."""
+    ``workers`` > 1 replays disjoint shares of the tensors in that many processes (element-wise optimizers on
+    the CPU only; the caller checks that, and that forking is safe: lowdiff.recovery.procs). The result is
+    bit-identical to ``workers=1``; ``PartitionResult.workers`` says how many took part."""
     times = PhaseTimes()
     t0 = time.perf_counter()
     optimized = manifest.optimized_params
@@ -107,10 +117,16 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     params = {n: torch.nn.Parameter(snap.params[n].to(device).contiguous(),
                                     requires_grad=manifest.param(n).requires_grad) for n in wanted}
     opt = build_optimizer(manifest, snap, params, wanted, optimizer_class, device) if wanted else None
+    share = workers > 1 and device == "cpu"
+    if share:
+        # The state moves into memory shared with the worker processes: without the snapshot's references to
+        # it, each private copy is freed as soon as its tensor has moved.
+        snap.params = {n: t for n, t in snap.params.items() if n in set(extra)}
+        snap.optimizer_state = {}
     stepper: _Stepper | None = None
     if opt is not None:
         stepper = _Stepper(manifest, opt, params, device, workers,
-                           chunked=manifest.optimizer_class in ELEMENTWISE_OPTIMIZERS)
+                           chunked=manifest.optimizer_class in ELEMENTWISE_OPTIMIZERS, share=share)
     buffers = dict(snap.buffers)
     last_q: dict[str, torch.Tensor] = {}
     # result.groups holds the encoded hyperparameters of the newest applied step until the end.
@@ -118,35 +134,92 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
                              compressor_state=snap.compressor_state, last_q=last_q,
                              snapshot_extra=snap.extra, rng=dict(snap.rng),
                              data=dict(snap.extra.get("data") or {}))
-    def read(seg: Segment) -> tuple[int, list[StepData]]:
-        with SegmentReader(seg.files, manifest, seg.first, seg.last) as reader:
-            return reader.nbytes, reader.read_steps(wanted, with_buffers=with_buffers)
-
     pending = [seg for seg in segments if seg.last > snap.step]
-    # One segment is read (checksums, decompression) ahead while this one is applied; read_s counts only the
-    # time apply had to wait for it.
+    start = snap.step
+    children: list[procs.Worker] = []
     try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-prefetch") as pool:
-            ahead = pool.submit(read, pending[0]) if pending else None
-            for i, seg in enumerate(pending):
-                assert ahead is not None
-                t0 = time.perf_counter()
-                nbytes, steps = ahead.result()
-                times.read_s += time.perf_counter() - t0
-                result.bytes_read += nbytes
-                ahead = pool.submit(read, pending[i + 1]) if i + 1 < len(pending) else None
-                _replay_steps(steps, seg, snap.step, target, manifest, device, stepper, result, times, progress)
-                del steps
+        own = wanted
+        if stepper is not None and stepper.share and pending and not stepper.built:
+            # A snapshot taken before the first step holds no optimizer state: that step runs here on whole
+            # tensors, creating it; then the state is shared and cut into chunks.
+            start = _replay_first_step(manifest, pending[0], wanted, with_buffers, start, target, device, stepper,
+                                       result, times, progress)
+        if stepper is not None and stepper.built and len(stepper.opts) > 1:
+            shared = stepper.shared_keys()
+            for w in range(1, len(stepper.opts)):
+                children.append(procs.start(w, functools.partial(
+                    _replay_share, manifest, pending, start, target, device, stepper, w, shared)))
+            result.workers = len(stepper.opts)
+            stepper.own(0)
+            own = stepper.own_names()
+        elif share:
+            result.note = ("sequential (the optimizer state is not per-element)" if stepper is not None
+                           else "sequential (no optimized tensors)")
+        _replay_log(manifest, pending, own, with_buffers, start, target, device, stepper, result, times, progress)
+        while children:
+            states, child_q = procs.collect(children[0])
+            children.pop(0)
+            assert stepper is not None
+            stepper.import_states(states)
+            last_q.update(child_q)
         if stepper is not None:
             result.optimizer_state = stepper.finish()
     finally:
-        if stepper is not None:
-            stepper.close()
+        procs.stop(children)
     result.params = {n: p.detach().cpu() for n, p in params.items()}
     result.params.update({n: snap.params[n] for n in extra})
     result.groups = [{k: v for k, v in decode_value(g).items() if k != "params"} for g in result.groups]
     result.times = times
     return result
+
+
+def _read_segment(manifest: Manifest, seg: Segment, names: list[str], with_buffers: bool
+                  ) -> tuple[int, list[StepData]]:
+    with SegmentReader(seg.files, manifest, seg.first, seg.last) as reader:
+        return reader.nbytes, reader.read_steps(names, with_buffers=with_buffers)
+
+
+def _replay_first_step(manifest: Manifest, seg: Segment, names: list[str], with_buffers: bool, start: int,
+                       target: int, device: str, stepper: _Stepper, result: PartitionResult, times: PhaseTimes,
+                       progress: Any) -> int:
+    """Replay the first step after ``start`` alone (all tensors, in this process); returns its number."""
+    t0 = time.perf_counter()
+    _, steps = _read_segment(manifest, seg, names, with_buffers)
+    times.read_s += time.perf_counter() - t0
+    first = [sd for sd in steps if start < sd.step <= target][:1]
+    _replay_steps(first, seg, start, target, manifest, device, stepper, result, times, progress)
+    return first[0].step if first else start
+
+
+def _replay_log(manifest: Manifest, pending: list[Segment], names: list[str], with_buffers: bool, start: int,
+                target: int, device: str, stepper: _Stepper | None, result: PartitionResult, times: PhaseTimes,
+                progress: Any) -> None:
+    """Replay steps ``start`` + 1 .. ``target`` of ``names`` from the segments (a worker's whole job)."""
+    # One segment is read (checksums, decompression) ahead while this one is applied; read_s counts only the
+    # time apply had to wait for it.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-prefetch") as pool:
+        ahead = pool.submit(_read_segment, manifest, pending[0], names, with_buffers) if pending else None
+        for i, seg in enumerate(pending):
+            assert ahead is not None
+            t0 = time.perf_counter()
+            nbytes, steps = ahead.result()
+            times.read_s += time.perf_counter() - t0
+            result.bytes_read += nbytes
+            ahead = pool.submit(_read_segment, manifest, pending[i + 1], names, with_buffers) \
+                if i + 1 < len(pending) else None
+            _replay_steps(steps, seg, start, target, manifest, device, stepper, result, times, progress)
+            del steps
+
+
+def _replay_share(manifest: Manifest, pending: list[Segment], start: int, target: int, device: str,
+                  stepper: _Stepper, index: int, shared: dict[str, frozenset[str]]
+                  ) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """Body of worker process ``index``: replay its share in place (shared memory); return the rest."""
+    stepper.own(index)
+    mine = PartitionResult(params={}, optimizer_state={}, groups=[], buffers={}, compressor_state={}, last_q={})
+    _replay_log(manifest, pending, stepper.own_names(), False, start, target, device, stepper, mine, PhaseTimes(),
+                None)
+    return stepper.export_states(shared), {n: q.clone() for n, q in mine.last_q.items()}
 
 
 def _replay_steps(steps: list[StepData], seg: Segment, snap_step: int, target: int, manifest: Manifest,
@@ -222,6 +295,9 @@ class _FastSqrtState(torch.Tensor):
         return exact_sqrt(self.as_subclass(torch.Tensor))
 
 
+_SHARED = "\0lowdiff:shared"  # export_states: "this entry is a view of the shared full tensor"
+
+
 def _plain(t: Any) -> Any:
     return t.as_subclass(torch.Tensor) if isinstance(t, _FastSqrtState) else t
 
@@ -242,14 +318,14 @@ class _Stepper:
     """Owns the replayed optimizer: decodes each step's gradients into ``.grad`` and runs the step.
 
     chunked (element-wise optimizers on CPU): the parameters are cut into ``CHUNK_ELEMS`` views, stepped by
-    ``workers`` optimizer instances of the run's class (one per thread) whose per-element state tensors are views
-    of one full tensor per parameter and key. Otherwise the optimizer built from the snapshot steps whole
-    tensors, exactly as :func:`apply_step` does."""
+    ``workers`` optimizer instances of the run's class, each over a contiguous share of the chunks (one per worker
+    process), whose per-element state tensors are views of one full tensor per parameter and key. With ``share``
+    those full tensors and the parameters live in one shared anonymous mapping, so forked workers step them in
+    place. Otherwise the optimizer built from the snapshot steps whole tensors, exactly as :func:`apply_step`."""
 
     def __init__(self, manifest: Manifest, opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
-                 device: str, workers: int, chunked: bool) -> None:
+                 device: str, workers: int, chunked: bool, share: bool = False) -> None:
         self.manifest, self.opt, self.params, self.device = manifest, opt, params, device
-        self.pool: ThreadPoolExecutor | None = None
         # Top-k: one dense gradient buffer per parameter, re-zeroed only where the previous step wrote.
         self.topk_buf: dict[str, torch.Tensor] = {}
         self.topk_prev: dict[str, torch.Tensor] = {}
@@ -259,8 +335,13 @@ class _Stepper:
         self.chunked = chunked and device == "cpu" and not d.get("differentiable") and not d.get("fused") \
             and not d.get("capturable") and all(p.is_contiguous() and p.layout == torch.strided
                                                 for p in params.values())
+        self.share = share and self.chunked
+        self.arena: mmap.mmap | None = None
         self.opts: list[torch.optim.Optimizer] = [opt]
         self.gmaps: list[list[int]] = []
+        self.mine: torch.optim.Optimizer | None = None
+        """After :meth:`own`: the one optimizer (share of the chunks) this process steps."""
+        self.own_set: set[str] | None = None
         self.workers = workers
         self.wrap = not d.get("foreach")  # the foreach kernels are handed plain tensors only
         self.built = False
@@ -284,6 +365,8 @@ class _Stepper:
                 if not v.is_contiguous():
                     opt.state[p][k] = v.contiguous()
         self.built = True
+        if self.share:
+            self._move_to_shared()
         size = max(4096, CHUNK_ELEMS - CHUNK_ELEMS % 4096) if CHUNK_ELEMS >= 4096 else max(1, CHUNK_ELEMS)
         name_of = {id(p): n for n, p in params.items()}
         self.chunks: dict[str, list[_Chunk]] = {}
@@ -301,17 +384,18 @@ class _Stepper:
                           for a in range(0, numel, size)]
                 self.chunks[n] = cs
                 order += [(gi, c) for c in cs]
-        # Spread the chunks over the workers, largest first into the least-loaded; keep parameter order inside.
+        # Cut the chunks (in parameter order) into ``workers`` contiguous runs of about equal elements: each worker
+        # then reads and decodes whole tensors, except where a run boundary splits one.
         nworkers = max(1, min(workers, len(order)))
-        load = [0] * nworkers
+        sizes = [max(c.b - c.a, 1) for _, c in order]
+        total = sum(sizes)
         mine: list[list[int]] = [[] for _ in range(nworkers)]
-        for i in sorted(range(len(order)), key=lambda i: -(order[i][1].b - order[i][1].a)):
-            w = load.index(min(load))
-            mine[w].append(i)
-            load[w] += max(order[i][1].b - order[i][1].a, 1)
+        acc = 0
+        for i, n in enumerate(sizes):
+            mine[min(nworkers - 1, (2 * acc + n) * nworkers // (2 * total))].append(i)
+            acc += n
         self.opts, self.gmaps = [], []
         for idx in mine:
-            idx.sort()
             groups, gmap = [], []
             for gi, group in enumerate(opt.param_groups):
                 cps = [order[i][1] for i in idx if order[i][0] == gi]
@@ -339,21 +423,81 @@ class _Stepper:
                 assert c.opt is not None
                 c.opt.state[c.param] = {k: self._chunk_state(c, full[k]) if k in full else
                                         (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-        if len(self.opts) > 1:
-            self.pool = ThreadPoolExecutor(max_workers=len(self.opts) - 1, thread_name_prefix="lowdiff-replay")
 
     def _chunk_state(self, c: _Chunk, full: torch.Tensor) -> torch.Tensor:
         v = c.view(full)
         return v.as_subclass(_FastSqrtState) if self.wrap else v
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
+    def _move_to_shared(self) -> None:
+        """Move every parameter and per-element state tensor into one ``MAP_SHARED`` anonymous mapping (before the
+        chunks view them): worker processes forked later update them in place for everyone."""
+        opt = self.opt
+        tensors: list[tuple[Any, Any, torch.Tensor]] = []  # (owner, key, tensor)
+        for p in self.params.values():
+            tensors.append((p, None, p.detach()))
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and (v.dim() > 0 or p.dim() == 0):
+                    tensors.append((opt.state[p], k, v))
+        align = 64
+        total = sum((t.nbytes + align - 1) // align * align for _, _, t in tensors)
+        self.arena = mmap.mmap(-1, max(total, align))
+        offset = 0
+        for owner, key, t in tensors:
+            if t.numel():
+                new = torch.frombuffer(self.arena, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
+                new.copy_(t)
+            else:
+                new = torch.empty_like(t)
+            offset += (t.nbytes + align - 1) // align * align
+            if key is None:
+                owner.data = new
+            else:
+                owner[key] = new
+
+    def shared_keys(self) -> dict[str, frozenset[str]]:
+        """Per parameter, the state keys held in full shared tensors now (chunks' entries view them)."""
+        return {n: frozenset(full) for n, full in self.full_state.items()}
+
+    def own(self, index: int) -> None:
+        """From now on this process steps only share ``index`` of the chunks (and decodes only its tensors)."""
+        self.mine = self.opts[index]
+        self.opts, self.gmaps = [self.opts[index]], [self.gmaps[index]]
+        names = self.own_set = set(self.own_names())
+        for d in (self.topk_buf, self.topk_prev, self.topk_version):
+            for n in [n for n in d if n not in names]:
+                del d[n]
+
+    def own_names(self) -> list[str]:
+        return [n for n, cs in self.chunks.items() if any(c.opt is self.mine for c in cs)]
+
+    def export_states(self, shared: dict[str, frozenset[str]]) -> list[tuple[str, int, list[tuple[str, Any]]]]:
+        """This process's chunks' optimizer state except what lives in the shared tensors (marked _SHARED)."""
+        out = []
+        for n, cs in self.chunks.items():
+            keys = shared.get(n, frozenset())
+            for i, c in enumerate(cs):
+                st = c.opt.state.get(c.param) if c.opt is self.mine else None  # type: ignore[union-attr]
+                if st:
+                    out.append((n, i, [(k, _SHARED if k in keys else
+                                        (_plain(v).clone() if isinstance(v, torch.Tensor) else v))
+                                       for k, v in st.items()]))
+        return out
+
+    def import_states(self, states: list[tuple[str, int, list[tuple[str, Any]]]]) -> None:
+        """Adopt a worker process's :meth:`export_states` for its chunks."""
+        for n, i, items in states:
+            c = self.chunks[n][i]
+            assert c.opt is not None
+            c.opt.state[c.param] = {k: self._chunk_state(c, self.full_state[n][k])
+                                    if isinstance(v, str) and v == _SHARED else v for k, v in items}
+        if self.missing:
+            self._adopt_new_state()
 
     # -- gradients ---------------------------------------------------------------------------------------------
     def set_grads(self, sd: StepData, seg: Segment) -> None:
         for n in self.params:
+            if self.own_set is not None and n not in self.own_set:
+                continue  # another worker's tensor (not read here)
             payload = sd.grads.get(n)
             if payload is None:
                 self._assign(n, None)
@@ -405,7 +549,8 @@ class _Stepper:
             return  # the chunks already view this (updated in place) buffer
         self.grad_of[n] = buf if (g is not None and buf is not None) else g
         for c in self.chunks[n]:
-            c.param.grad = None if g is None else c.view(g)
+            if self.mine is None or c.opt is self.mine:
+                c.param.grad = None if g is None else c.view(g)
 
     # -- step --------------------------------------------------------------------------------------------------
     def step(self, groups: list[dict[str, Any]]) -> None:
@@ -422,15 +567,8 @@ class _Stepper:
         for o, gmap in zip(self.opts, self.gmaps):
             for g_opt, gi in zip(o.param_groups, gmap):
                 g_opt.update(hyper[gi])
-        if self.pool is None:
-            self.opts[0].step()
-        else:
-            futures = [self.pool.submit(o.step) for o in self.opts[1:]]
-            try:
-                self.opts[0].step()
-            finally:
-                for f in futures:
-                    f.result()
+        for o in self.opts:
+            o.step()
         if self.missing:
             self._adopt_new_state()
 

@@ -15,6 +15,7 @@ from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
 from lowdiff.storage.container import ContainerReader
+from lowdiff.storage.manifest import read_manifest
 
 STEPS = 10
 # Snapshots 0, 4, 8; segments 1-3, 4-6, 7-9, 10-10.
@@ -250,3 +251,24 @@ def test_damaged_attribute_heap_does_not_hang_recovery(pristine, damaged_copy) -
     assert not hung, "recover() did not finish within 10 s"
     kind, detail = queue.get(timeout=5)
     assert kind in ("ok", "corrupt"), (kind, detail)
+
+
+def test_damage_found_by_a_worker_process_is_stepped_around(pristine, damaged_copy) -> None:
+    """The damaged column belongs to worker process 1's share: only that child reads it. Its error must reach the
+    parent with the file named, and recovery steps around the file exactly as in one process."""
+    refs = pristine[1]
+    run_dir = damaged_copy()
+    path = run_dir / NEWEST_SEGMENT
+    manifest = read_manifest(run_dir)
+    last = manifest.optimized_params[-1]  # contiguous shares: the last tensor is in the last worker's share
+    reader = ContainerReader(path, "segment")
+    try:
+        entry = next(d for name, d in reader.entries.items() if name.startswith(f"grad/{last}/"))
+    finally:
+        reader.close()
+    start, _ = _regions(path)["data"]
+    _flip(path, start + entry["offset"] + entry["nbytes"] // 2)
+    rec = lowdiff.recover(run_dir, workers=2)
+    assert rec.report.mode == "parallel" and rec.report.workers == 2
+    assert rec.step == STEPS - 1 and any(NEWEST_SEGMENT in s for s in rec.report.skipped)
+    assert_state_equal(*refs[STEPS - 1], rec)

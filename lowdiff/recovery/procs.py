@@ -1,0 +1,118 @@
+"""Replay worker processes: forked children that each replay a disjoint share of the model.
+
+The parent has loaded the snapshot and moved every parameter and per-element optimizer state tensor into one
+anonymous shared mapping (``MAP_SHARED``, inherited by ``fork``; no /dev/shm file, so no tmpfs size limit).
+Each child then reads its own tensors' columns from the log, decodes them and steps its own optimizer over its
+chunks in place, through every step in order; the parent does the same for share 0. At the end a child sends,
+through a pipe, only what is not in the shared mapping: its chunks' small optimizer state (e.g. Adam's ``step``),
+the newest PowerSGD Q of its tensors, and its phase times. No tensor crosses a pipe during the replay.
+
+Only ``fork`` gives this without re-importing torch in every worker (a spawned interpreter costs ~2 s, more than
+a short replay), and a fork is safe only while no other thread of the process may hold a lock the child needs
+(h5py's, the allocator's): :func:`fork_unsafe_reason` says when that is not the case, and recovery replays
+sequentially instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lowdiff import errors
+
+
+def fork_unsafe_reason() -> str | None:
+    """None when worker processes can be forked here, else why not (shown in the recovery report)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return f"worker processes need fork() on Linux, this is {sys.platform}"
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:
+        return (f"{len(others)} other thread(s) run in this process ({', '.join(others[:3])}), so forking "
+                "replay workers could deadlock; call recover() from a process without threads to use workers")
+    return None
+
+
+@dataclass
+class Worker:
+    index: int
+    pid: int
+    fd: int
+    """Read end of the pipe the child writes its pickled result into."""
+
+
+def start(index: int, body: Callable[[], Any]) -> Worker:
+    """Fork a child that runs ``body()`` and sends back ``("ok", result)`` or the error it raised."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's stack
+        code = 0
+        try:
+            os.close(rfd)
+            try:
+                payload: Any = ("ok", body())
+            except BaseException as e:
+                payload = ("error", type(e).__name__, str(e), getattr(e, "path", None), traceback.format_exc())
+            data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(wfd, view):]
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    return Worker(index, pid, rfd)
+
+
+def collect(worker: Worker) -> Any:
+    """The child's result (waits for it to exit); re-raises its error in this process."""
+    chunks = []
+    try:
+        while True:
+            b = os.read(worker.fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        os.close(worker.fd)
+        worker.fd = -1
+    _, status = os.waitpid(worker.pid, 0)
+    data = b"".join(chunks)
+    if not data:
+        how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+               else f"exit status {os.WEXITSTATUS(status)}")
+        raise RuntimeError(f"replay worker process {worker.index} (pid {worker.pid}) died ({how}) before sending "
+                           "its result; out of memory? recover with workers=1 to replay in one process")
+    payload = pickle.loads(data)  # written by our own child just now
+    if payload[0] == "ok":
+        return payload[1]
+    _, name, message, path, tb = payload
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.CorruptFileError):
+        err: BaseException = cls(message)
+        err.path = path  # type: ignore[attr-defined]
+        raise err
+    if isinstance(cls, type) and issubclass(cls, errors.LowDiffError):
+        raise cls(message)
+    raise RuntimeError(f"replay worker process {worker.index} failed: {name}: {message}\n{tb}")
+
+
+def stop(workers: list[Worker]) -> None:
+    """Kill and reap children whose result is no longer wanted (the parent failed)."""
+    for w in workers:
+        if w.fd < 0:
+            continue
+        try:
+            os.kill(w.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(w.fd)
+        w.fd = -1
+        os.waitpid(w.pid, 0)

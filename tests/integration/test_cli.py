@@ -1,0 +1,106 @@
+"""The commands users run after a crash: ``lowdiff-recover`` and ``lowdiff inspect | verify | compact``."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lowdiff_harness import Scenario, assert_state_equal, train_run
+
+import lowdiff
+from lowdiff.recovery import cli
+
+STEPS = 9
+SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
+                    batch_steps=3, every_steps=4)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cli") / "run"
+    return root, train_run(SCENARIO, root, STEPS).refs
+
+
+@pytest.fixture
+def run(pristine, tmp_path: Path):
+    d = tmp_path / "run"
+    shutil.copytree(pristine[0], d)
+    return d, pristine[1]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_recover_writes_the_exact_state_with_worker_processes(run, tmp_path: Path) -> None:
+    root, refs = run
+    out = tmp_path / "state.pt"
+    p = _cli("recover", str(root), "--workers", "2", "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    assert f"recovered step {STEPS} from snapshot 8 + 1 replayed steps" in p.stdout
+    assert "mode parallel, workers 2" in p.stdout and f"wrote {out}" in p.stdout
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == STEPS
+    assert_state_equal(*refs[STEPS], lowdiff.recover(root, workers=1))
+    for k, v in lowdiff.recover(root, workers=1).model.items():
+        assert torch.equal(saved["model"][k], v), k
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_leaves_no_thread_that_would_stop_the_worker_processes(run, monkeypatch, capsys) -> None:
+    """tqdm's monitor thread would make forking unsafe (recovery would fall back to one process)."""
+    root, _ = run
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli.recover_main([str(root), "--step", "7", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "replaying" in err.getvalue()  # the bar was drawn
+    assert "mode parallel, workers 2" in out, out
+
+
+def test_inspect_and_verify_a_good_run(run) -> None:
+    root, _ = run
+    p = _cli("inspect", str(root))
+    assert p.returncode == 0, p.stderr
+    assert f"latest recoverable step: {STEPS}" in p.stdout and "snapshots: 3 at steps 0, 4, 8" in p.stdout
+    p = _cli("verify", str(root))
+    assert p.returncode == 0 and p.stdout.startswith("verify: OK"), p.stdout + p.stderr
+
+
+def test_verify_names_a_damaged_file_and_fails(run) -> None:
+    root, _ = run
+    seg = sorted((root / "log").glob("steps-*.h5"))[-1]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    p = _cli("verify", str(root))
+    assert p.returncode == 1
+    assert "BAD" in p.stdout and seg.name in p.stdout
+
+
+def test_errors_are_one_line_naming_the_problem(tmp_path: Path) -> None:
+    p = _cli("recover", str(tmp_path / "nowhere"))
+    assert p.returncode == 2
+    assert p.stderr.startswith("lowdiff recover: error:") and "nowhere" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_compact_then_recover_is_still_exact(run) -> None:
+    root, refs = run
+    p = _cli("compact", str(root), "--keep", "1", "--workers", "2")
+    assert p.returncode == 0, p.stderr
+    assert f"compacted {root} at step {STEPS}: wrote a snapshot" in p.stdout
+    assert [s.name for s in (root / "snapshots").glob("*.h5")] == [f"step-{STEPS:010d}.h5"]
+    rec = lowdiff.recover(root, workers=1)
+    assert rec.step == STEPS
+    assert_state_equal(*refs[STEPS], rec)

@@ -1,0 +1,84 @@
+"""Replay worker processes (lowdiff/recovery/procs.py): forked only when that is safe, their failures reach the
+caller, and any number of them gives the one-process result bit for bit."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from lowdiff_harness import Scenario, assert_state_equal, train_run
+
+import lowdiff
+from lowdiff.recovery import replayer
+
+SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
+                    batch_steps=3, every_steps=4)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("workers") / "run"
+    return root, train_run(SCENARIO, root, 9).refs
+
+
+def test_another_thread_in_the_process_means_one_process(run) -> None:
+    """Forking while another thread may hold a lock (h5py's, the allocator's) could deadlock the child."""
+    root, refs = run
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        rec = lowdiff.recover(root, step=7, workers=2)
+    finally:
+        stop.set()
+        other.join()
+    assert rec.report.workers == 1
+    assert rec.report.mode.startswith("sequential") and "user-thread" in rec.report.mode
+    assert_state_equal(*refs[7], rec)
+    assert lowdiff.recover(root, step=7, workers=2).report.mode == "parallel"
+
+
+def test_a_worker_process_that_dies_is_an_error_not_a_wrong_state(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(replayer, "_replay_share", killed)
+    with pytest.raises(RuntimeError, match=r"replay worker process 1 .* died \(killed by signal 9\)"):
+        lowdiff.recover(run[0], workers=2)
+
+
+def test_a_worker_process_error_is_raised_in_the_caller(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*args, **kwargs):
+        raise lowdiff.UnsupportedError("no such thing in this share")
+
+    monkeypatch.setattr(replayer, "_replay_share", fails)
+    with pytest.raises(lowdiff.UnsupportedError, match="no such thing"):
+        lowdiff.recover(run[0], workers=2)
+
+
+@pytest.mark.parametrize("workers", [2, 5, 64])
+def test_more_workers_than_tensors_is_exact(run, workers: int) -> None:
+    """Shares are contiguous runs of chunks; with more workers than chunks some would be empty: not started."""
+    root, refs = run
+    for target in (2, 9):  # from the step-0 snapshot (no optimizer state yet) and from the step-8 one
+        rec = lowdiff.recover(root, step=target, workers=workers)
+        assert 2 <= rec.report.workers <= workers
+        assert rec.report.mode == "parallel"
+        assert_state_equal(*refs[target], rec)
+
+
+def test_recovered_tensors_stay_valid_after_the_workers_exit(run) -> None:
+    """Parameters and optimizer state live in the shared mapping the workers wrote; the result keeps it alive."""
+    root, refs = run
+    rec = lowdiff.recover(root, workers=2)
+    one = lowdiff.recover(root, workers=1)
+    gc.collect()
+    for k, v in one.model.items():
+        assert torch.equal(rec.model[k], v), k
+        rec.model[k].add_(0)  # writable
+    assert_state_equal(*refs[9], rec)
