@@ -168,7 +168,8 @@ class LowDiffOptimizer:
         assert self._checkpointer is not None
         run_dir = self._checkpointer.run_dir
         device = next(iter(self._spec.params.values())).device.type if self._spec.params else "cpu"
-        rec = recover(run_dir, device=device)
+        # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
+        rec = recover(run_dir, device=device, workers=1 if self._coord.world_size > 1 else None)
         self.model.load_state_dict(rec.model)
         self.inner.load_state_dict(rec.optimizer)
         if rec.compressor_state_exact:

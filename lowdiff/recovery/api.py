@@ -74,8 +74,10 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
-    ``workers``: replay threads (None: 1, see docs/recovery.md). Element-wise optimizers replay disjoint chunks
-    of the tensors in parallel, bit-identical to one worker; others replay sequentially.
+    ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/recovery.md).
+    Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
+    optimizers, devices other than the CPU, and a process running other threads replay in one process
+    (``report.mode`` says why).
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
@@ -118,9 +120,7 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     nsteps = target - chain.snapshot_step
     names = manifest.optimized_params
     if workers is None:
-        # Measured on 2 shared cores (docs/recovery.md): worker threads over the cache-blocked chunks were not
-        # faster than one (the step is bound by memory and the cores' shared resources), so one by default.
-        workers = 1
+        workers = procs.default_workers()
     workers = max(1, min(workers, max(len(names), 1)))
     mode = "sequential"
     if workers > 1 and manifest.optimizer_class not in ELEMENTWISE_OPTIMIZERS:

@@ -39,6 +39,18 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers() -> int:
+    """``recover(workers=None)``: one worker per CPU this process may run on, at most MAX_DEFAULT_WORKERS."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_DEFAULT_WORKERS))
+
+
 @dataclass
 class Worker:
     index: int

@@ -14,7 +14,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
-from lowdiff.recovery import replayer
+from lowdiff.recovery import procs, replayer
 
 SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
                     batch_steps=3, every_steps=4)
@@ -81,4 +81,14 @@ def test_recovered_tensors_stay_valid_after_the_workers_exit(run) -> None:
     for k, v in one.model.items():
         assert torch.equal(rec.model[k], v), k
         rec.model[k].add_(0)  # writable
+    assert_state_equal(*refs[9], rec)
+
+
+def test_default_is_one_worker_per_cpu(run) -> None:
+    root, refs = run
+    rec = lowdiff.recover(root)
+    expected = procs.default_workers()
+    assert 1 <= expected <= procs.MAX_DEFAULT_WORKERS
+    assert rec.report.workers == expected or (expected > 1 and 2 <= rec.report.workers < expected)
+    assert rec.report.mode == ("parallel" if rec.report.workers > 1 else "sequential")
     assert_state_equal(*refs[9], rec)
