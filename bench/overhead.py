@@ -431,14 +431,16 @@ class AutoLowDiffMode(LowDiffMode):
                 self.step(next_batch())
                 self.warmup_steps += 1
                 # The LATEST decision followed by a snapshot: a re-decision during warm-up must not leave the
-                # windows aligned to an interval no longer in force.
-                if tuner.decisions and ck._last_snapshot_step > tuner.decisions[-1].step:
+                # windows aligned to an interval no longer in force. Settled: no probe in force and no decision
+                # still waiting for alpha (its re-decision would fall inside the timed rounds).
+                if tuner.settled and tuner.decisions and ck._last_snapshot_step > tuner.decisions[-1].step:
                     break
             f, b = ck.every_steps, ck.batch_steps
             self.k = f
-            # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows).
+            # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows);
+            # of two as close, the longer (F = 19, B = 1: 19-step windows, not 1-step ones).
             cands = [w for w in range(b, f + 1, b) if f % w == 0]
-            self.window = min(cands, key=lambda w: (abs(w - self.target_window), w))
+            self.window = min(cands, key=lambda w: (abs(w - self.target_window), -w))
             # Windows start at steps = last snapshot (mod W): run to the step before the next such start.
             while (self.opt.step_count + 1 - ck._last_snapshot_step) % self.window:
                 self.step(next_batch())

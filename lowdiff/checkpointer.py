@@ -58,6 +58,8 @@ class Checkpointer:
         """Steps per segment last handed to the writer (it applies a change when it reaches it in its queue)."""
         self._seen = WriterStats()
         self._prior_decisions: list[dict[str, Any]] = []
+        self._probe_applied = False
+        """Whether the writer runs with a tuner probe's batch size (docs/TUNER.md, section 4)."""
 
     def open(self) -> None:
         """Create the directory layout, take the lock and remove stale ``*.tmp`` files (rank 0 only: the
@@ -80,9 +82,10 @@ class Checkpointer:
         if self._coord is None:
             return
         assert self.tuner is not None
-        f, b = self._coord.broadcast_ints(list(self.tuner.current()), "tuner decision")
+        f, b, probing = self._coord.broadcast_ints([*self.tuner.current(), int(self.tuner.probing)],
+                                                   "tuner decision")
         if not self._leads:
-            self.tuner.follow(f, b)
+            self.tuner.follow(f, b, probing=bool(probing))
 
     def start(self, durable_step: int, shadow: Any = None) -> None:
         cfg = self.config
@@ -91,6 +94,7 @@ class Checkpointer:
             self._sync_tuner()  # every rank starts from rank 0's values (its tuner.json, or the bootstrap)
         self._last_snapshot_step = self._batch_anchor = self._last_submitted = durable_step
         self._seen = WriterStats()  # the new writer counts from zero
+        self._probe_applied = False
         codec = resolve_codec(cfg.log.codec, cfg.compressor.name)
         self._writer_batch = self.batch_steps
         self._writer = BackgroundWriter(self.run_dir, batch_steps=self._writer_batch, codec=codec,
@@ -185,7 +189,8 @@ class Checkpointer:
         assert self.tuner is not None and self._writer is not None
         if self._coord is not None:
             # Rank 0 decides only at multiples of check_every_steps, and every rank takes its choice there:
-            # one broadcast of two integers per check_every_steps steps, at the same steps on every rank.
+            # one broadcast of three integers (F, B, probing) per check_every_steps steps, at the same steps on
+            # every rank.
             if step % self.tuner.check_every_steps:
                 if self._leads:
                     self._poll_writes()
@@ -194,13 +199,31 @@ class Checkpointer:
                 self._poll_writes()
                 self._decide(step)
             self._sync_tuner()
+            self._apply_probe(step)
             return
         self._poll_writes()
         self._decide(step)
+        self._apply_probe(step)
+
+    def _apply_probe(self, step: int) -> None:
+        """When a tuner probe starts or ends (at this step, on every rank alike under DDP): its batch size, or
+        the decision's after it, applies at once instead of at the next snapshot. The open segment is cut after
+        this step's record; the probe puts no snapshot in its window (its every_steps is long enough), and the
+        next snapshot after it cuts again if it falls inside a segment (``_realign``)."""
+        assert self.tuner is not None and self._writer is not None
+        probing = self.tuner.probing
+        if probing == self._probe_applied:
+            return
+        self._probe_applied = probing
+        b = self.batch_steps
+        self._writer.set_batch_steps(b)
+        self._writer_batch = b
+        self._batch_anchor = step
 
     def _poll_writes(self) -> None:
         assert self.tuner is not None and self._writer is not None
-        prof, st, seen = self.tuner.profiler, self._writer.stats, self._seen
+        prof, seen = self.tuner.profiler, self._seen
+        st = dataclasses.replace(self._writer.stats)  # one reading of counters the writer thread bumps
         if st.blocked_s > seen.blocked_s:
             prof.on_blocked(st.blocked_s - seen.blocked_s)
             seen.blocked_s = st.blocked_s
@@ -212,8 +235,8 @@ class Checkpointer:
         if (dseg or dsnap) and complete:
             prof.on_writes(segments=dseg, segment_bytes=st.log_bytes - seen.log_bytes, snapshots=dsnap,
                            snapshot_bytes=st.snapshot_bytes - seen.snapshot_bytes, seconds=st.write_s - seen.write_s,
-                           steps_per_segment=self._writer_batch)
-            self._seen = dataclasses.replace(st)
+                           steps_per_segment=self._writer_batch, segment_steps=st.log_steps - seen.log_steps)
+            self._seen = st
 
     def _decide(self, step: int) -> None:
         assert self.tuner is not None

@@ -8,8 +8,9 @@ The checkpointer feeds a :class:`Profiler` from two threads:
 
 :class:`AutoTuner` turns the measurements into :class:`lowdiff.tuner.Costs`, asks :func:`lowdiff.tuner.solve`
 and re-solves when the iteration time, the write bandwidth or the per-write latency drift by more than
-``tuner.retune_drift``; the interval goes down as well as up. Every decision is logged with its inputs and
-kept in :attr:`AutoTuner.decisions`.
+``tuner.retune_drift``; the interval goes down as well as up. When a decision was made without the writer's
+interference and it matters, it measures it (under the decision, or by a short probe with the writer mostly
+idle) and re-solves. Every decision and probe is logged with its inputs and kept in :attr:`AutoTuner.decisions`.
 
 >>> p = Profiler(clock=iter(range(1000)).__next__)
 >>> for s in range(30):
@@ -30,7 +31,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lowdiff.tuner import Costs, Decision, Limits, solve
+from lowdiff.tuner import (
+    Breakdown,
+    Costs,
+    Decision,
+    Limits,
+    evaluate,
+    inputs_line,
+    min_batch_steps,
+    solve,
+    young_daly_interval,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,16 @@ log = logging.getLogger(__name__)
 # the iteration time (replay skips forward and backward; a quarter of a step errs towards snapshotting more).
 PRIOR_WRITE_BYTES_PER_S = 200e6
 ASSUMED_REPLAY_FRACTION = 0.25
+
+# The writer's interference alpha needs this many steps both with and without a concurrent write in the window.
+MIN_INTERFERENCE_STEPS = 8
+# A probe (alpha not measured, and it matters; see AutoTuner): this many steps with no snapshot and this many
+# steps per segment. 8 steps per segment leave most steps without a write (a segment write overlaps one or two
+# steps), so 24 steps give well over MIN_INTERFERENCE_STEPS idle ones while the 64-step window still holds 40
+# steps of the regime before the probe (the busy ones); 24 and 8 are multiples of the 8-step check interval at
+# which DDP ranks take rank 0's settings, so the probe starts and ends on segment boundaries.
+PROBE_STEPS = 24
+PROBE_BATCH_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,7 @@ class Profiler:
                  clock: Callable[[], float] = time.perf_counter,
                  prior_write_bytes_per_s: float = PRIOR_WRITE_BYTES_PER_S) -> None:
         self.min_steps = min_steps
+        self.window_steps = window_steps
         self.prior_write_bytes_per_s = prior_write_bytes_per_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -104,7 +126,8 @@ class Profiler:
         """(start, end, duration without lowdiff's tunable overhead) per step."""
         self._apply_s: deque[float] = deque(maxlen=window_steps)
         self._record_bytes: deque[float] = deque(maxlen=window_steps)
-        self._segments: deque[tuple[float, float, int]] = deque(maxlen=window_writes)
+        self._segments: deque[tuple[float, float, float]] = deque(maxlen=window_writes)
+        """(bytes, seconds, steps) per committed segment."""
         self._snapshot_writes: deque[tuple[float, float]] = deque(maxlen=8)
         self._captures: deque[tuple[float, float]] = deque(maxlen=8)
         self._write_spans: deque[tuple[float, float]] = deque(maxlen=4 * window_writes)
@@ -147,11 +170,12 @@ class Profiler:
 
     # -- writer thread -------------------------------------------------------------------------------------------
 
-    def on_segment_written(self, nbytes: float, seconds: float, steps: int | None = None) -> None:
-        """A log segment of ``nbytes`` was committed in ``seconds`` (write + fsync + rename)."""
+    def on_segment_written(self, nbytes: float, seconds: float, steps: float | None = None) -> None:
+        """A log segment of ``nbytes`` holding ``steps`` steps was committed in ``seconds`` (write + fsync +
+        rename)."""
         end = self._clock()
         with self._lock:
-            self._segments.append((float(nbytes), float(seconds), int(steps or 0)))
+            self._segments.append((float(nbytes), float(seconds), float(steps or 0)))
             self._write_spans.append((end - seconds, end))
 
     def on_snapshot_written(self, nbytes: float, seconds: float) -> None:
@@ -162,12 +186,16 @@ class Profiler:
             self._write_spans.append((end - seconds, end))
 
     def on_writes(self, *, segments: int, segment_bytes: float, snapshots: int, snapshot_bytes: float,
-                  seconds: float, steps_per_segment: int) -> None:
+                  seconds: float, steps_per_segment: float, segment_steps: int | None = None) -> None:
         """Several commits seen at once (from the writer's counters, when it does not report each write):
-        segments share time and bytes evenly; a snapshot among them gets the time left after the segments'
-        usual time (or its share of the bytes). More than one snapshot at once is skipped."""
+        segments share time, bytes and steps evenly; a snapshot among them gets the time left after the
+        segments' usual time (or its share of the bytes). More than one snapshot at once is skipped.
+        ``segment_steps``: the steps those segments hold in all, when the writer counts them (a segment cut
+        short, or written just after a change of the batch size, does not hold ``steps_per_segment``)."""
         if seconds <= 0 or segments < 0 or snapshots < 0:
             return
+        if segment_steps is not None and segments > 0:
+            steps_per_segment = segment_steps / segments
         if snapshots == 0 and segments > 0:
             for _ in range(segments):
                 self.on_segment_written(segment_bytes / segments, seconds / segments, steps=steps_per_segment)
@@ -207,27 +235,45 @@ class Profiler:
                 return statistics.median(self._record_bytes)
             return None
 
+    def _overlaps(self) -> tuple[list[float], list[float]]:
+        """Per step in the window: seconds of it during which a write ran, and its duration."""
+        with self._lock:
+            steps = list(self._steps)
+            spans = list(self._write_spans)
+        xs = [sum(max(0.0, min(s1, w1) - max(s0, w0)) for w0, w1 in spans) for s0, s1, _ in steps]
+        return xs, [d for _, _, d in steps]
+
+    @staticmethod
+    def _classify(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[int], list[int]]:
+        # A step counts as busy when a write covered a tenth of it (tiny overlaps only add noise), as idle when
+        # no write touched it at all.
+        busy = [i for i, x in enumerate(xs) if x >= 0.1 * ys[i]]
+        idle = [i for i, x in enumerate(xs) if x == 0]
+        return busy, idle
+
+    def interference_steps(self) -> tuple[int, int]:
+        """(busy, idle) steps in the window: steps a write covered by a tenth or more, steps no write touched.
+        :meth:`write_interference` needs ``MIN_INTERFERENCE_STEPS`` of each."""
+        xs, ys = self._overlaps()
+        busy, idle = self._classify(xs, ys)
+        return len(busy), len(idle)
+
     def write_interference(self) -> tuple[float, float | None, str]:
         """alpha from step durations: duration = T0 + alpha * (seconds of the step during which a write ran).
 
         Returns the estimate minus and plus two standard errors, clamped to [0, 1] (the low one is minimized
         with, the high one checked against ``max_overhead``), and how they were obtained. Without steps both with
-        and without overlapping writes it is not measured: 0, None."""
+        and without overlapping writes it is not measured: 0, None (:class:`AutoTuner` then probes, when it
+        matters: see :data:`PROBE_STEPS`)."""
         with self._lock:
-            steps = list(self._steps)
-            spans = list(self._write_spans)
-        if not spans or len(steps) < self.min_steps:
+            have_writes = bool(self._write_spans)
+        xs, ys = self._overlaps()
+        if not have_writes or len(ys) < self.min_steps:
             return 0.0, None, "not measured (no writes in the window)"
-        xs, ys = [], []
-        for s0, s1, d in steps:
-            ov = sum(max(0.0, min(s1, w1) - max(s0, w0)) for w0, w1 in spans)
-            xs.append(ov)
-            ys.append(d)
-        # A step counts as busy when a write covered a tenth of it; tiny overlaps only add noise.
-        busy = [i for i, x in enumerate(xs) if x >= 0.1 * ys[i]]
-        idle = [i for i, x in enumerate(xs) if x == 0]
-        if len(busy) < 8 or len(idle) < 8:
-            return 0.0, None, "not measured (too few steps with and without a concurrent write)"
+        busy, idle = self._classify(xs, ys)
+        if len(busy) < MIN_INTERFERENCE_STEPS or len(idle) < MIN_INTERFERENCE_STEPS:
+            return 0.0, None, (f"not measured (too few steps with and without a concurrent write: {len(busy)} busy, "
+                               f"{len(idle)} idle of {len(ys)}, {MIN_INTERFERENCE_STEPS} of each needed)")
         # Extra time of a busy step over the idle median, per second of overlap, over the middle half of the
         # busy steps (one preempted step must not decide). On a shared machine step times jitter far more than
         # a write costs, so what is used is the estimate minus two standard errors: noise reads as 0, not as 1.
@@ -302,29 +348,51 @@ def _drift(old: float, new: float) -> float:
     return abs(new / old - 1.0) if old > 0 else (0.0 if new == 0 else math.inf)
 
 
+@dataclass(frozen=True)
+class _Probe:
+    """A probe in force: (every_steps, batch_steps) of the probe from ``start`` + 1 to ``end``, then re-solve."""
+
+    start: int
+    end: int
+
+
 class AutoTuner:
     """Holds the (every_steps, batch_steps) in force and re-solves when measurements drift.
 
     ``every_steps`` / ``batch_steps``: an int fixes that knob (only the other is tuned), None tunes it.
     Until the first decision, the bootstrap values are used (a multiple of the batch, so snapshots land on
-    segment boundaries)."""
+    segment boundaries).
+
+    The writer's interference alpha is measured from steps with and without a concurrent write. When a decision
+    is made without it and it matters (the chosen point, checked with alpha = 1, would break ``max_overhead``),
+    the tuner measures it before settling: if the window lacks steps that overlapped a write, the decision goes
+    in force and the tuner re-solves as soon as alpha is measured; if it lacks steps without a write, it runs a
+    probe: ``probe_steps`` steps with no snapshot and ``probe_batch_steps`` steps per segment (so most steps see
+    no write), logged as a :class:`Decision` with ``probe_steps`` > 0, then re-solves with the measured alpha.
+    At most one probe per re-tune (docs/TUNER.md, section 4)."""
 
     def __init__(self, *, mtbf_s: float, max_overhead: float = 0.02, max_log_bytes: int = 0,
                  retune_drift: float = 0.2, queue_depth: int = 4, keep_snapshots: int = 0,
                  every_steps: int | None = None, batch_steps: int | None = None,
                  restart_s: float = 0.0, profiler: Profiler | None = None, check_every_steps: int = 8,
-                 bootstrap_every_steps: int = 128, bootstrap_batch_steps: int = 16) -> None:
+                 bootstrap_every_steps: int = 128, bootstrap_batch_steps: int = 16,
+                 probe_steps: int = PROBE_STEPS, probe_batch_steps: int = PROBE_BATCH_STEPS) -> None:
         self.limits = Limits(mtbf_s=mtbf_s, max_overhead=max_overhead, max_log_bytes=max_log_bytes,
                              queue_depth=queue_depth, keep_snapshots=keep_snapshots,
                              every_steps=every_steps, batch_steps=batch_steps)
         if not 0 < retune_drift:
             raise ValueError(f"retune_drift must be > 0, got {retune_drift}")
+        if probe_steps < 1 or probe_batch_steps < 1:
+            raise ValueError(f"probe_steps and probe_batch_steps must be >= 1, got {probe_steps}, {probe_batch_steps}")
         self.retune_drift = retune_drift
         self.restart_s = restart_s
         self.profiler = profiler or Profiler()
         self.check_every_steps = check_every_steps
+        self.probe_steps = probe_steps
+        self.probe_batch_steps = probe_batch_steps
         self.decisions: list[Decision] = []
-        """Every decision of this process, oldest first (see :meth:`Decision.to_dict`)."""
+        """Every decision of this process, oldest first (see :meth:`Decision.to_dict`); probes among them
+        (``Decision.probe_steps`` > 0)."""
         b = batch_steps or bootstrap_batch_steps
         if every_steps is not None:
             b = batch_steps or _largest_divisor_at_most(every_steps, bootstrap_batch_steps)
@@ -332,6 +400,12 @@ class AutoTuner:
         self._current = (f, b)
         self._last_check = -1
         self._last_decision_step = -(10**18)
+        self._probe: _Probe | None = None
+        self._probing = False
+        """A probe's settings are in force (rank 0: its own probe; other ranks: as broadcast)."""
+        self._alpha_pending: int | None = None
+        """Step of the decision in force that was made without alpha where alpha matters (measure, then
+        re-solve), or None."""
 
     @classmethod
     def from_config(cls, config: Any, profiler: Profiler | None = None) -> AutoTuner | None:
@@ -346,12 +420,26 @@ class AutoTuner:
                    batch_steps=None if batch == "auto" else batch, profiler=profiler)
 
     def current(self) -> tuple[int, int]:
-        """(every_steps, batch_steps) in force now."""
+        """(every_steps, batch_steps) in force now (a probe's while :attr:`probing`)."""
         return self._current
+
+    @property
+    def probing(self) -> bool:
+        """A probe is in force: its batch size applies at once (not at the next snapshot) and so does the
+        decision's that ends it (:class:`lowdiff.checkpointer.Checkpointer` cuts the open segment)."""
+        return self._probing
+
+    @property
+    def settled(self) -> bool:
+        """Decided, and nothing left to measure before the decision stands: no probe in force and no decision
+        waiting for alpha (a benchmark should time only settled steps)."""
+        return bool(self.decisions) and self._probe is None and self._alpha_pending is None
 
     def seed(self, decisions: Sequence[Mapping[str, Any]]) -> None:
         """Start from the newest decision of an earlier process of the same run (read from tuner.json), instead
-        of the bootstrap values, until this process has measured enough to decide itself."""
+        of the bootstrap values, until this process has measured enough to decide itself. Probes are skipped:
+        a process that stopped during one resumes with the decision before it."""
+        decisions = [d for d in decisions if not (isinstance(d, Mapping) and d.get("probe_steps"))]
         if not decisions:
             return
         try:
@@ -366,17 +454,25 @@ class AutoTuner:
         if f >= 1 and b >= 1 and f % b == 0:
             self._current = (f, b)
 
-    def follow(self, every_steps: int, batch_steps: int) -> None:
-        """Put (every_steps, batch_steps) in force as decided elsewhere (under DDP: by rank 0's tuner)."""
+    def follow(self, every_steps: int, batch_steps: int, probing: bool = False) -> None:
+        """Put (every_steps, batch_steps) in force as decided elsewhere (under DDP: by rank 0's tuner);
+        ``probing``: they are a probe's."""
         if every_steps < 1 or batch_steps < 1 or every_steps % batch_steps:
             raise ValueError(f"every_steps={every_steps} must be a positive multiple of batch_steps={batch_steps}")
         self._current = (int(every_steps), int(batch_steps))
+        self._probing = bool(probing)
 
     def update(self, step: int) -> Decision | None:
-        """Call once per step (cheap). Returns a new decision when one was made, else None."""
+        """Call once per step (cheap). Returns the new decision (or probe) when one was made, else None."""
         if self._last_check >= 0 and step - self._last_check < self.check_every_steps:
             return None
         self._last_check = step
+        if self._probe is not None:
+            return self._end_probe(step) if step >= self._probe.end else None
+        if self._alpha_pending is not None:
+            d = self._pursue_alpha(step)
+            if d is not None or self._alpha_pending is not None:
+                return d
         if self.decisions and step - self._last_decision_step < self.profiler.min_steps * 4:
             return None  # let the windows refill after a change before judging drift again
         reason = self._why_solve()
@@ -385,25 +481,138 @@ class AutoTuner:
         costs = self.profiler.costs(restart_s=self.restart_s)
         if costs is None:
             return None
-        return self.decide(costs, reason=reason, step=step)
+        d = solve(costs, self.limits).with_context(reason=reason, step=step)
+        at_full = _at_full_interference(d)
+        if at_full is None:
+            return self._put_in_force(d)
+        # alpha was not measured and the bound depends on it: the decision goes in force (its settings keep the
+        # writer busy, so steps with a write come), and the next checks measure alpha, by a probe if steps
+        # without a write are what is missing (_pursue_alpha).
+        self._alpha_pending = step
+        busy, idle = self.profiler.interference_steps()
+        note = (f"\n  alpha not measured ({busy} steps overlapped a write, {idle} none; {MIN_INTERFERENCE_STEPS} of "
+                f"each needed) and it matters: with alpha = 1 this choice's overhead would be "
+                f"{at_full.overhead_bound:.3%} against max_overhead {self.limits.max_overhead:.3g} (writer busy "
+                f"{d.breakdown.writer_load:.1%} of the time). In force meanwhile; re-solved once alpha is measured, "
+                f"with a probe ({self.probe_steps} steps with the writer mostly idle) if steps without a write are "
+                f"missing")
+        return self._put_in_force(d.replace(rationale=d.rationale + note))
 
     def decide(self, costs: Costs, *, reason: str, step: int) -> Decision:
         """Solve for ``costs`` now, record and log the decision (also usable with costs measured offline)."""
-        d = solve(costs, self.limits).with_context(reason=reason, step=step)
+        return self._put_in_force(solve(costs, self.limits).with_context(reason=reason, step=step))
+
+    def _put_in_force(self, d: Decision) -> Decision:
         self.decisions.append(d)
-        self._last_decision_step = step
+        self._last_decision_step = d.step
         old = self._current
         self._current = (d.every_steps, d.batch_steps)
-        level = logging.INFO if d.feasible else logging.WARNING
+        self._probing = d.is_probe
+        level = logging.INFO if d.feasible or d.is_probe else logging.WARNING
         log.log(level, "lowdiff tuner: %s%s", d.summary(),
                 "" if old == self._current else f" (was every_steps={old[0]} batch_steps={old[1]})")
         log.debug("lowdiff tuner rationale:\n%s", d.rationale)
         return d
 
+    # -- measuring alpha (the writer's interference) --------------------------------------------------------
+
+    def _pursue_alpha(self, step: int) -> Decision | None:
+        """The decision in force was made without alpha, and alpha matters: re-solve once alpha is measured; if
+        enough steps overlapped a write but too few did not, probe; after a full window without enough steps
+        that overlapped a write, give up until the next re-tune."""
+        since = self._alpha_pending
+        assert since is not None
+        _, high, how = self.profiler.write_interference()
+        costs = self.profiler.costs(restart_s=self.restart_s)
+        if high is not None and costs is not None:
+            self._alpha_pending = None
+            return self._put_in_force(solve(costs, self.limits).with_context(
+                reason=f"alpha measured under the decision of step {since}: {how}", step=step))
+        busy, idle = self.profiler.interference_steps()
+        if busy >= MIN_INTERFERENCE_STEPS:
+            self._alpha_pending = None
+            return self._start_probe(step, busy, idle)
+        if step - since >= self.profiler.window_steps:
+            self._alpha_pending = None
+            log.info("lowdiff tuner: alpha still not measured %d steps after the decision of step %d (%d steps "
+                     "overlapped a write, %d none; %d of each needed): no probe, the bound stays checked with alpha "
+                     "= 0 until the next re-tune", step - since, since, busy, idle, MIN_INTERFERENCE_STEPS)
+        return None
+
+    def _probe_settings(self) -> tuple[int, int]:
+        """(every_steps, batch_steps) for a probe starting now: the batch ``probe_batch_steps`` (a fixed knob
+        stays fixed) and an interval that puts no snapshot in the probe. The checkpointer snapshots at the first
+        step with ``step - last snapshot >= every_steps`` and did so at this step if it was due, so fewer than
+        the current interval have passed since the last snapshot: current + probe_steps is enough."""
+        f, _ = self._current
+        lim = self.limits
+        if lim.batch_steps is not None:
+            bp = lim.batch_steps
+        elif lim.every_steps is not None:
+            bp = _largest_divisor_at_most(lim.every_steps, self.probe_batch_steps)
+        else:
+            bp = self.probe_batch_steps
+        fp = lim.every_steps if lim.every_steps is not None else bp * math.ceil((f + self.probe_steps) / bp)
+        return fp, bp
+
+    def _start_probe(self, step: int, busy: int, idle: int) -> Decision:
+        d = self._last_decision()
+        fp, bp = self._probe_settings()
+        lim = self.limits
+        costs = self.profiler.costs(restart_s=self.restart_s) or d.costs
+        at_full = evaluate(d.costs.replace(write_interference_high=1.0), lim, d.every_steps, d.batch_steps)
+        bd = evaluate(costs, lim, fp, bp)
+        end = step + self.probe_steps
+        f_now, b_now = self._current
+        lines = [
+            f"probe: measuring the writer's interference alpha over steps {step + 1}-{end}, with the writer "
+            f"mostly idle",
+            f"  why: alpha not measured ({busy} steps in the window overlapped a write, "
+            f"{idle} none; {MIN_INTERFERENCE_STEPS} of each needed) and it matters: the decision of step {d.step} "
+            f"(every_steps={d.every_steps} batch_steps={d.batch_steps}, writer busy {d.breakdown.writer_load:.1%} of "
+            f"the time) has an overhead of {d.breakdown.overhead_bound:.3%} with alpha = 0 and "
+            f"{at_full.overhead_bound:.3%} with alpha = 1, against max_overhead {lim.max_overhead:.3g}",
+            f"  during the probe: every_steps={fp} (no snapshot before step {end + 1}), batch_steps={bp} (one "
+            f"segment write per {bp} steps), applied at once; then (F, B) is re-solved with the measured alpha",
+            f"  nothing is skipped: every step is still logged. Durability lags more: a step is durable up to {bp} "
+            f"steps after it (was {b_now}), {bd.lag_s:.3g} s of work behind on average in the model (was "
+            f"{evaluate(costs, lim, f_now, b_now).lag_s:.3g} s), and the next snapshot (interval was {f_now}) waits "
+            f"for the end of the probe",
+            f"  inputs: {inputs_line(costs, lim)}",
+        ]
+        if lim.every_steps is not None and lim.every_steps <= self.probe_steps:
+            lines.append(f"  every_steps is fixed at {lim.every_steps} by the config: snapshots continue during the "
+                         "probe and may leave too few steps without a write")
+        if bp == 1:
+            lines.append("  batch_steps is fixed at 1 by the config: a segment is written every step, so the probe "
+                         "may leave too few steps without a write")
+        probe = Decision(fp, bp, bd.waste_s_per_hour, bd.overhead, bd.feasible, bd, costs, lim,
+                         young_daly_interval(costs, lim, bp), min_batch_steps(costs, lim), "\n".join(lines),
+                         reason=f"probe: alpha not measured under the decision of step {d.step} ({busy} steps "
+                                f"overlapped a write, {idle} none)",
+                         step=step, probe_steps=self.probe_steps)
+        self._probe = _Probe(start=step, end=end)
+        return self._put_in_force(probe)
+
+    def _end_probe(self, step: int) -> Decision:
+        probe = self._probe
+        assert probe is not None
+        self._probe = None
+        costs = self.profiler.costs(restart_s=self.restart_s)
+        if costs is None:  # cannot happen once decided (the measurements only accumulate); keep the last one
+            costs = self._last_decision().costs
+        how = costs.sources.get("write_interference", "")
+        result = "alpha measured" if costs.write_interference_high is not None else "alpha STILL NOT MEASURED"
+        return self._put_in_force(solve(costs, self.limits).with_context(
+            reason=f"after the probe of steps {probe.start + 1}-{probe.end}: {result} ({how})", step=step))
+
+    def _last_decision(self) -> Decision:
+        return next(d for d in reversed(self.decisions) if not d.is_probe)
+
     def _why_solve(self) -> str | None:
         if not self.decisions:
             return "initial"
-        ref = self.decisions[-1].costs
+        ref = self._last_decision().costs
         t = self.profiler.iteration_s()
         fit = self.profiler.write_fit()
         changes = []
@@ -427,9 +636,20 @@ class AutoTuner:
         return [d.to_dict() for d in self.decisions]
 
 
+def _at_full_interference(d: Decision) -> Breakdown | None:
+    """When ``d`` was made without a measured alpha (``write_interference_high`` None, the profiler's mark) and
+    its overhead, checked with alpha = 1, would break ``max_overhead``: the model at that point with alpha = 1
+    (alpha then matters and should be measured). Otherwise None: measured, or no alpha could break the bound."""
+    c = d.costs
+    if c.write_interference_high is not None:
+        return None
+    full = evaluate(c.replace(write_interference_high=1.0), d.limits, d.every_steps, d.batch_steps)
+    return full if full.overhead_bound > d.limits.max_overhead else None
+
+
 def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
 __all__ = ["Profiler", "AutoTuner", "WriteFit", "fit_write_cost", "PRIOR_WRITE_BYTES_PER_S",
-           "ASSUMED_REPLAY_FRACTION"]
+           "ASSUMED_REPLAY_FRACTION", "MIN_INTERFERENCE_STEPS", "PROBE_STEPS", "PROBE_BATCH_STEPS"]

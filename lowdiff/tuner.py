@@ -260,11 +260,21 @@ class Decision:
     rationale: str
     reason: str = "initial"
     step: int = 0
+    probe_steps: int = 0
+    """0 for a choice of the solver. > 0: not a choice but a measurement window (lowdiff.profiler): these
+    (every_steps, batch_steps) are in force for ``probe_steps`` steps after ``step`` so that the profiler sees
+    steps without a concurrent write, then (F, B) is re-solved; the model's numbers are those of the probe's
+    settings and only describe the window."""
+
+    @property
+    def is_probe(self) -> bool:
+        return self.probe_steps > 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (what ``RUN_DIR/tuner.json`` and ``lowdiff inspect`` use)."""
         return {
-            "step": self.step, "reason": self.reason, "every_steps": self.every_steps,
+            "step": self.step, "reason": self.reason, "probe_steps": self.probe_steps,
+            "every_steps": self.every_steps,
             "batch_steps": self.batch_steps, "waste_s_per_hour": self.waste_s_per_hour,
             "overhead": self.overhead, "feasible": self.feasible,
             "young_daly_every_steps": self.young_daly_every_steps, "min_batch_steps": self.min_batch_steps,
@@ -275,18 +285,25 @@ class Decision:
         }
 
     def with_context(self, *, reason: str, step: int) -> Decision:
-        return Decision(**{**{f.name: getattr(self, f.name) for f in fields(self)}, "reason": reason, "step": step})
+        return self.replace(reason=reason, step=step)
+
+    def replace(self, **changes: Any) -> Decision:
+        return Decision(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
     def summary(self) -> str:
         """One line: the choice and every input number."""
         c, lim = self.costs, self.limits
+        if self.is_probe:
+            return (f"probe for {self.probe_steps} steps: every_steps={self.every_steps} "
+                    f"batch_steps={self.batch_steps} [{self.reason} at step {self.step}] inputs: {inputs_line(c, lim)}")
         return (f"every_steps={self.every_steps} batch_steps={self.batch_steps} "
                 f"waste={self.waste_s_per_hour:.2f} s/h overhead={self.overhead:.2%}"
                 f"{'' if self.feasible else ' (limits not met: ' + ', '.join(self.breakdown.violations) + ')'}"
-                f" [{self.reason} at step {self.step}] inputs: {_inputs_line(c, lim)}")
+                f" [{self.reason} at step {self.step}] inputs: {inputs_line(c, lim)}")
 
 
-def _inputs_line(c: Costs, lim: Limits) -> str:
+def inputs_line(c: Costs, lim: Limits) -> str:
+    """Every input number on one line (decision summaries and rationales)."""
     return (f"T={c.iteration_s * 1e3:.3g} ms S_d={_b(c.diff_bytes)} S_F={_b(c.snapshot_bytes)} "
             f"C_F={c.snapshot_block_s * 1e3:.3g} ms BW_w={_b(c.write_bytes_per_s)}/s "
             f"l_w={c.write_latency_s * 1e3:.3g} ms "
@@ -415,7 +432,7 @@ def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None,
     lines = [
         f"chose every_steps={b.every_steps}, batch_steps={b.batch_steps}: expected waste "
         f"{b.waste_s_per_hour:.2f} s per hour ({b.waste_fraction:.3%} of wall time)",
-        f"  inputs: {_inputs_line(c, lim)}{src}",
+        f"  inputs: {inputs_line(c, lim)}{src}",
         f"  Young/Daly with replay: F* = sqrt(2 C / (lambda T r)) = {yd:.0f} steps "
         f"(C = C_F + alpha*w_F = {(c.snapshot_block_s + c.write_interference * b.snapshot_write_s) * 1e3:.3g} ms, "
         f"lambda = {lam_h:.3g}/h, r = {b.replay_step_s * 1e3:.3g} ms/step)",
@@ -457,6 +474,12 @@ def format_decisions(decisions: Iterable[Mapping[str, Any]]) -> str:
     rows = []
     for d in decisions:
         c = d.get("costs", {})
+        if d.get("probe_steps"):
+            rows.append(
+                f"  step {d.get('step')}: PROBE for {d.get('probe_steps')} steps, every_steps={d.get('every_steps')} "
+                f"batch_steps={d.get('batch_steps')} ({d.get('reason')}; durability lag up to "
+                f"{d.get('batch_steps')} steps meanwhile, nothing skipped)")
+            continue
         rows.append(
             f"  step {d.get('step')}: every_steps={d.get('every_steps')} batch_steps={d.get('batch_steps')} "
             f"waste {d.get('waste_s_per_hour', float('nan')):.2f} s/h, overhead {d.get('overhead', 0):.2%} "
@@ -468,4 +491,4 @@ def format_decisions(decisions: Iterable[Mapping[str, Any]]) -> str:
 
 
 __all__ = ["Costs", "Limits", "Breakdown", "Decision", "evaluate", "solve", "young_daly_interval",
-           "min_batch_steps", "format_decisions", "DECISIONS_FILE"]
+           "min_batch_steps", "format_decisions", "inputs_line", "DECISIONS_FILE"]

@@ -29,6 +29,8 @@ class WriterStats:
     segments: int = 0
     snapshots: int = 0
     log_bytes: int = 0
+    log_steps: int = 0
+    """Steps in the committed segments (bumped before ``log_bytes``)."""
     snapshot_bytes: int = 0
     write_s: float = 0.0
     blocked_s: float = 0.0
@@ -202,6 +204,7 @@ class BackgroundWriter:
                 r.done()
         self.stats.write_s += time.perf_counter() - t0
         self.stats.segments += 1
+        self.stats.log_steps += len(batch)
         self.stats.log_bytes += nbytes
         with self._lock:
             self._durable_step = max(self._durable_step, batch[-1].step)

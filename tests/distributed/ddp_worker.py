@@ -1,9 +1,11 @@
 """One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG] [--auto]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG] [--auto] [--probe]
 Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
 With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
-last snapshot step) in force after each step to REF_OUT.rankR.sched.
+last snapshot step) in force after each step to REF_OUT.rankR.sched. --probe (with --auto): a tiny MTBF, a
+2 % overhead bound and 5 ms more per committed file, so the writer is busy at every step and the tuner probes its
+interference (docs/TUNER.md, section 4); with it REF_OUT holds every step's reference state.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import argparse
 import copy
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 import lowdiff
+import lowdiff.storage.log_writer as log_writer
 
 
 def make_model() -> torch.nn.Module:
@@ -32,6 +36,14 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
 
 
+def _slowed(write, seconds: float):  # type: ignore[no-untyped-def]
+    def slow(*a, **k):  # type: ignore[no-untyped-def]
+        time.sleep(seconds)
+        return write(*a, **k)
+
+    return slow
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
@@ -43,6 +55,7 @@ def main() -> None:
     ap.add_argument("--continuous-rng", action="store_true",
                     help="seed once before wrap and let resume() restore each rank's RNG (exact continuation)")
     ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
+    ap.add_argument("--probe", action="store_true", help="with --auto: a busy writer, so the tuner probes")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -59,6 +72,10 @@ def main() -> None:
     if args.auto:  # a high failure rate and a loose bound: the tuner picks small, frequently re-tuned values
         cfg.update({"snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
                     "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
+    if args.probe:
+        cfg["tuner"] = {"mtbf_hours": 0.001, "max_overhead": 0.02}
+        for name in ("write_segment", "write_snapshot"):  # a disk with 5 ms more per committed file
+            setattr(log_writer, name, _slowed(getattr(log_writer, name), 0.005))
     opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume() if args.resume else 0
     refs = []
@@ -75,7 +92,7 @@ def main() -> None:
         losses.append((step, loss.item()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if rank == 0 and (not args.auto or step > args.steps - 3):
+        if rank == 0 and (not args.auto or args.probe or step > args.steps - 3):
             refs.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict())))
         if args.auto:
             ck = opt._checkpointer

@@ -164,3 +164,47 @@ def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
     step, model_sd, optim_sd = torch.load(tmp_path / "ref2.pt", weights_only=False)[-1]
     assert step == steps + 40
     assert_matches(lowdiff.recover(run, step=step), model_sd, optim_sd)
+
+
+def test_auto_probe_is_broadcast(tmp_path: Path) -> None:
+    """A probe of the writer's interference under DDP (docs/TUNER.md, section 4): rank 0 starts it and both ranks
+    put its settings in force at the same step (no snapshot, 8 steps per segment, cut at once), then the decision
+    after it; every file is a complete 2-shard set, and nothing is lost: recovery is exact inside the probe, at its
+    end and at the last step."""
+    from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR
+    from lowdiff.tuner import DECISIONS_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # As if resumed from a decision that keeps the writer busy at every step (a snapshot every 4 steps, a segment
+    # per step; the worker slows snapshot writes): no step without a write, so alpha can only be probed.
+    (run / DECISIONS_FILE).write_text(json.dumps({"decisions": [{"step": 0, "every_steps": 4, "batch_steps": 1}]}))
+    steps = 80
+    torchrun(2, str(run), "topk", str(steps), str(tmp_path / "ref.pt"), "--auto", "--probe", timeout=240.0)
+    decisions = json.loads((run / DECISIONS_FILE).read_text())["decisions"][1:]
+    probes = [d for d in decisions if d["probe_steps"]]
+    assert len(probes) == 1, decisions
+    p = probes[0]
+    start, end = p["step"], p["step"] + p["probe_steps"]
+    assert start % 8 == 0 and p["batch_steps"] == 8 and p["every_steps"] % 8 == 0
+    after = [d for d in decisions if d["step"] == end]
+    assert after and after[0]["reason"].startswith(f"after the probe of steps {start + 1}-{end}"), decisions
+    s0 = torch.load(f"{tmp_path / 'ref.pt'}.rank0.sched")
+    s1 = torch.load(f"{tmp_path / 'ref.pt'}.rank1.sched")
+    assert s0 == s1 and len(s0) == steps
+    for d in decisions:
+        assert d["step"] % 8 == 0 and s1[d["step"] - 1][1:3] == (d["every_steps"], d["batch_steps"]), d
+    # In force for steps start + 1 .. end on both ranks (taken after step start): the probe's settings; no snapshot.
+    for step, f, b, _ in s1[start - 1:end - 1]:
+        assert (f, b) == (p["every_steps"], p["batch_steps"]), (step, f, b)
+    assert s1[end - 1][3] <= start
+    snaps, segs = list_snapshots(run), list_segments(run)
+    assert len(list((run / SNAPSHOT_DIR).iterdir())) == 2 * len(snaps)
+    assert len(list((run / LOG_DIR).iterdir())) == 2 * len(segs)
+    # Every step logged once; the probe's segments hold 8 steps each, cut at its start and end.
+    assert [a for a, _, _ in segs] == [1] + [b + 1 for _, b, _ in segs[:-1]] and segs[-1][1] == steps
+    assert [(a, b) for a, b, _ in segs if start < a <= end] == [(a, a + 7) for a in range(start + 1, end, 8)]
+    assert not any(a <= s < b for a, b, _ in segs for s in snaps)
+    refs = {s: (m, o) for s, m, o in torch.load(tmp_path / "ref.pt", weights_only=False)}
+    for step in (start + 12, end, steps):
+        assert_matches(lowdiff.recover(run, step=step), *refs[step])

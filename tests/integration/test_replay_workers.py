@@ -7,7 +7,6 @@ import gc
 import os
 import signal
 import threading
-from pathlib import Path
 
 import pytest
 import torch

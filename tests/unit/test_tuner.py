@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lowdiff import Config, ConfigError
-from lowdiff.profiler import AutoTuner, Profiler, fit_write_cost
+from lowdiff.profiler import PROBE_BATCH_STEPS, PROBE_STEPS, AutoTuner, Profiler, fit_write_cost
 from lowdiff.tuner import Costs, Limits, evaluate, format_decisions, min_batch_steps, solve, young_daly_interval
 
 # Three regimes: a GPU-ish job on a fast disk, a slow network disk with a large per-write cost (B_min > 1 and
@@ -300,6 +300,173 @@ def test_autotuner_from_config_and_seed() -> None:
     assert t.current() == before
     t.seed([{"every_steps": 400, "batch_steps": 16}])
     assert t.current() == (400, 8)
+
+
+# -- measuring alpha when a decision needs it (probe) ------------------------------------------------------------
+
+
+def _feed_regime(p: Profiler, clock: FakeClock, first: int, n: int, *, write_every: int, snapshot_every: int = 0,
+                 t0: float = 0.1, alpha: float = 0.5, write_s: float = 0.04, snap_s: float = 0.08,
+                 block_s: float = 0.02) -> None:
+    """Steps of ``t0`` plus ``alpha`` x (seconds of the step a write overlapped): a segment write of ``write_s``
+    inside every ``write_every``-th step (0: none), a snapshot (capture ``block_s``, write ``snap_s``) inside every
+    ``snapshot_every``-th."""
+    for i in range(first, first + n):
+        seg = bool(write_every) and i % write_every == 0
+        snap = bool(snapshot_every) and i % snapshot_every == 0
+        x = write_s * seg + snap_s * snap
+        clock.now += t0 + alpha * x + block_s * snap
+        if snap:
+            p.on_snapshot(2e7, block_s=block_s)
+        p.on_step(i, apply_s=0.004)
+        if seg:
+            p.on_segment_written(1e5 * write_every, write_s, steps=write_every)
+        if snap:
+            p.on_snapshot_written(2e7, snap_s)
+
+
+def _busy_tuner(clock: FakeClock, **kw: float) -> AutoTuner:
+    """A tuner whose window has a write in every step (as under B = 1 with frequent snapshots): alpha cannot be
+    measured from it (no step without a write)."""
+    t = AutoTuner(mtbf_s=kw.pop("mtbf_s", 3600.0), max_overhead=kw.pop("max_overhead", 0.02),
+                  profiler=Profiler(clock=clock), **kw)
+    _feed_regime(t.profiler, clock, 1, 40, write_every=1, snapshot_every=5)
+    return t
+
+
+def test_probe_when_alpha_unmeasured_and_the_writer_busy() -> None:
+    clock = FakeClock()
+    t = _busy_tuner(clock)
+    assert t.profiler.write_interference()[1] is None and t.profiler.interference_steps()[1] == 0
+    d0 = t.update(40)
+    # Decided with alpha = 0; with alpha = 1 this choice breaks max_overhead: in force, alpha still to measure.
+    assert d0 is not None and d0.reason == "initial" and not d0.is_probe and d0.feasible
+    assert evaluate(d0.costs.replace(write_interference_high=1.0), t.limits, d0.every_steps,
+                    d0.batch_steps).overhead_bound > 0.02
+    assert "alpha not measured" in d0.rationale and not t.settled and not t.probing
+    assert t.current() == (d0.every_steps, d0.batch_steps)
+    # Eight more steps under it, still no step without a write: the next check starts the probe.
+    _feed_regime(t.profiler, clock, 41, 8, write_every=1, snapshot_every=5)
+    probe = t.update(48)
+    assert probe is not None and probe.is_probe and probe.probe_steps == PROBE_STEPS == 24
+    assert probe.reason.startswith("probe: alpha not measured under the decision of step 40")
+    fp, bp = t.current()
+    assert t.probing and (fp, bp) == (probe.every_steps, probe.batch_steps)
+    assert bp == PROBE_BATCH_STEPS == 8 and fp % bp == 0 and fp >= d0.every_steps + 24  # no snapshot in it
+    assert "nothing is skipped" in probe.rationale and "durable up to 8 steps" in probe.rationale
+    # The probe's steps: a segment write every 8 steps, no snapshot; no decision before its end.
+    _feed_regime(t.profiler, clock, 49, 16, write_every=8)
+    assert t.update(56) is None and t.update(64) is None and t.probing
+    _feed_regime(t.profiler, clock, 65, 8, write_every=8)
+    d1 = t.update(72)
+    assert d1 is not None and not d1.is_probe and not t.probing and t.settled
+    assert d1.reason.startswith("after the probe of steps 49-72: alpha measured")
+    # Re-solved with the measured alpha (the steps cost 0.5 s per second of overlap, noise-free here).
+    assert d1.costs.write_interference == pytest.approx(0.5) and d1.costs.write_interference_high == pytest.approx(0.5)
+    assert (d1.every_steps, d1.batch_steps) == (solve(d1.costs, t.limits).every_steps,
+                                                solve(d1.costs, t.limits).batch_steps)
+    # ...which the first choice, made with alpha = 0, breaks; the new one keeps the bound.
+    assert evaluate(d1.costs, t.limits, d0.every_steps, d0.batch_steps).overhead_bound > 0.02
+    assert d1.feasible and d1.breakdown.overhead_bound <= 0.02
+    assert t.current() == (d1.every_steps, d1.batch_steps)
+    # Busy again at every step (alpha no longer measurable from the window): no second probe without a re-tune.
+    _feed_regime(t.profiler, clock, 73, 120, write_every=1, snapshot_every=5)
+    assert all(t.update(s) is None for s in range(80, 193, 8))
+    assert [d.is_probe for d in t.decisions] == [False, True, False]
+
+
+def test_no_probe_when_alpha_is_measured() -> None:
+    clock = FakeClock()
+    t = AutoTuner(mtbf_s=3600.0, profiler=Profiler(clock=clock))
+    _feed_regime(t.profiler, clock, 1, 40, write_every=2, snapshot_every=10)  # half the steps without a write
+    d = t.update(40)
+    assert d is not None and d.costs.write_interference_high == pytest.approx(0.5) and t.settled
+    _feed_regime(t.profiler, clock, 41, 80, write_every=2, snapshot_every=10)
+    assert all(t.update(s) is None for s in range(48, 121, 8))
+    assert not t.probing and len(t.decisions) == 1
+
+
+def test_no_probe_when_alpha_cannot_break_the_bound() -> None:
+    clock = FakeClock()
+    t = _busy_tuner(clock, max_overhead=0.9)  # no alpha in [0, 1] breaks this bound
+    d = t.update(40)
+    assert d is not None and d.costs.write_interference_high is None and t.settled
+    _feed_regime(t.profiler, clock, 41, 40, write_every=1, snapshot_every=5)
+    assert all(t.update(s) is None for s in range(48, 81, 8)) and not t.probing
+
+
+def test_alpha_measured_under_the_decision_without_a_probe() -> None:
+    """The window lacks steps WITH a write (a quiet writer, as under the bootstrap settings): the decision's own
+    settings supply them, and the tuner re-solves as soon as alpha is measured; no probe is needed."""
+    clock = FakeClock()
+    t = AutoTuner(mtbf_s=3600.0, profiler=Profiler(clock=clock))
+    _feed_regime(t.profiler, clock, 1, 40, write_every=16, snapshot_every=32)
+    busy, idle = t.profiler.interference_steps()
+    assert busy < 8 <= idle
+    d0 = t.update(40)
+    assert d0 is not None and d0.costs.write_interference_high is None and not t.settled
+    _feed_regime(t.profiler, clock, 41, 8, write_every=1, snapshot_every=5)
+    d1 = t.update(48)
+    assert d1 is not None and not d1.is_probe and not t.probing and t.settled
+    assert d1.reason.startswith("alpha measured under the decision of step 40")
+    assert d1.costs.write_interference == pytest.approx(0.5)
+
+
+def test_inconclusive_probe_is_not_repeated_until_the_next_retune() -> None:
+    clock = FakeClock()
+    t = _busy_tuner(clock)
+    t.update(40)
+    _feed_regime(t.profiler, clock, 41, 8, write_every=1, snapshot_every=5)
+    assert t.update(48).is_probe
+    _feed_regime(t.profiler, clock, 49, 24, write_every=1)  # something writes at every step all the same
+    d1 = t.update(72)
+    assert d1 is not None and "alpha STILL NOT MEASURED" in d1.reason and t.settled
+    _feed_regime(t.profiler, clock, 73, 64, write_every=1, snapshot_every=5)
+    assert all(t.update(s) is None for s in range(80, 137, 8))
+    # A re-tune (iteration time x3): alpha is still unmeasured and matters, so it may be probed once again.
+    _feed_regime(t.profiler, clock, 137, 64, write_every=1, snapshot_every=5, t0=0.3)
+    d2 = t.update(200)
+    assert d2 is not None and d2.reason.startswith("drift") and not t.settled
+    _feed_regime(t.profiler, clock, 201, 8, write_every=1, snapshot_every=5, t0=0.3)
+    assert t.update(208).is_probe
+    assert sum(d.is_probe for d in t.decisions) == 2
+
+
+def test_probe_is_followed_seeded_past_and_shown() -> None:
+    clock = FakeClock()
+    t = _busy_tuner(clock)
+    t.update(40)
+    _feed_regime(t.profiler, clock, 41, 8, write_every=1, snapshot_every=5)
+    probe = t.update(48)
+    docs = json.loads(json.dumps(t.decisions_as_dicts()))
+    assert [d["probe_steps"] for d in docs] == [0, PROBE_STEPS]
+    shown = format_decisions(docs)
+    assert f"PROBE for {PROBE_STEPS} steps, every_steps={probe.every_steps} batch_steps=8" in shown
+    assert "durability lag up to 8 steps" in shown
+    # Another rank takes the probe as broadcast; a resumed process starts from the decision before the probe.
+    other = AutoTuner(mtbf_s=3600.0)
+    other.follow(probe.every_steps, probe.batch_steps, probing=True)
+    assert other.probing and other.current() == t.current()
+    other.follow(docs[0]["every_steps"], docs[0]["batch_steps"])
+    assert not other.probing
+    resumed = AutoTuner(mtbf_s=3600.0)
+    resumed.seed(docs)
+    assert resumed.current() == (docs[0]["every_steps"], docs[0]["batch_steps"]) and not resumed.probing
+
+
+def test_probe_keeps_a_fixed_knob() -> None:
+    clock = FakeClock()
+    t = _busy_tuner(clock, batch_steps=2)
+    t.update(40)
+    _feed_regime(t.profiler, clock, 41, 8, write_every=1, snapshot_every=5)
+    probe = t.update(48)
+    assert probe is not None and probe.is_probe and probe.batch_steps == 2 and probe.every_steps % 2 == 0
+    clock2 = FakeClock()
+    t2 = _busy_tuner(clock2, every_steps=60)
+    t2.update(40)
+    _feed_regime(t2.profiler, clock2, 41, 8, write_every=1, snapshot_every=5)
+    probe2 = t2.update(48)
+    assert probe2 is not None and probe2.is_probe and probe2.every_steps == 60 and probe2.batch_steps == 6
 
 
 # -- config ---------------------------------------------------------------------------------------------------
