@@ -29,10 +29,12 @@ class Checkpointer:
     """Decides full vs differential per step and hands both to the background writer."""
 
     def __init__(self, config: Config, compressor_name: str, shard: Shard = UNSHARDED,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, record_bytes_hint: float | None = None) -> None:
         """``coordinator``: under DDP with ``auto`` settings, the group rank 0's tuning decisions are broadcast
         over (every rank must snapshot at the same steps and cut segments alike); without one, a gloo group of
-        its own is created (a collective call: every rank constructs its Checkpointer at the same point)."""
+        its own is created (a collective call: every rank constructs its Checkpointer at the same point).
+        ``record_bytes_hint``: an upper bound on one step's record, the same on every rank (the tuner's bootstrap
+        batch is capped by ``tuner.max_buffer_bytes`` with it)."""
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.compressor_name = compressor_name
@@ -40,7 +42,7 @@ class Checkpointer:
         self._writer: BackgroundWriter | None = None
         self._lock: WriterLock | None = None
         # snapshot.every_steps / log.batch_steps "auto": measured online, solved by lowdiff.tuner (docs/TUNER.md).
-        self.tuner = AutoTuner.from_config(config)
+        self.tuner = AutoTuner.from_config(config, record_bytes_hint=record_bytes_hint)
         self._coord: Coordinator | None = None
         if self.tuner is not None and shard.count > 1:
             # Rank 0's tuner decides; the others follow (docs/TUNER.md, "Several ranks").

@@ -143,6 +143,9 @@ class TunerConfig:
     """Upper bound on the log kept on disk, in bytes; 0 or null: no bound."""
     retune_drift: float = 0.2
     """Re-solve when the measured iteration time or write bandwidth moves by more than this fraction, in (0, 1]."""
+    max_buffer_bytes: int = 1 << 30
+    """Host memory the records waiting for the writer may take, in bytes (B is chosen so that queue_depth x B
+    records fit); 0: no bound."""
 
     def __post_init__(self) -> None:
         _check_number("tuner.mtbf_hours", self.mtbf_hours, lambda v: 0 < v < float("inf"),
@@ -151,6 +154,7 @@ class TunerConfig:
         if self.max_log_bytes is not None:
             _check_min_int("tuner.max_log_bytes", self.max_log_bytes, 0)
         _check_number("tuner.retune_drift", self.retune_drift, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+        _check_min_int("tuner.max_buffer_bytes", self.max_buffer_bytes, 0)
 
 
 @dataclass(frozen=True, kw_only=True)

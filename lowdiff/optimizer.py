@@ -80,7 +80,8 @@ class LowDiffOptimizer:
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
             shard = Shard(self._coord.rank, self._coord.world_size)
-            self._checkpointer = Checkpointer(config, cc.name, shard, coordinator=self._coord)
+            self._checkpointer = Checkpointer(config, cc.name, shard, coordinator=self._coord,
+                                              record_bytes_hint=_record_bytes_bound(self._spec.optimized, cc))
             try:
                 self._open_run_dir()
             except BaseException:
@@ -415,6 +416,18 @@ def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` is ``b`` or a same-shaped view of the same memory (the identity compressor's decode)."""
     return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def _record_bytes_bound(optimized: Any, cc: Any) -> float | None:
+    """An upper bound on one step's record before any is seen, the same on every rank (the tuner caps its
+    bootstrap batch with it): the dense gradient for compressor none, values plus indices (int64 at most) of the
+    kept fraction for Top-k; None for PowerSGD (small factors: the bootstrap batch stands)."""
+    dense = sum(p.numel() * p.element_size() for _, p in optimized)
+    if cc.name == "none":
+        return float(dense)
+    if cc.name == "topk":
+        return dense * float(cc.ratio) * 3.0  # 4-byte value + up to 8-byte index per kept element of 4 bytes
+    return None
 
 
 def _wants_layerwise(config: Config) -> bool:

@@ -38,6 +38,7 @@ from lowdiff.tuner import (
     Limits,
     evaluate,
     inputs_line,
+    memory_batch_cap,
     min_batch_steps,
     solve,
     young_daly_interval,
@@ -336,12 +337,14 @@ class Profiler:
             sources["replay_step_s"] = f"assumed {ASSUMED_REPLAY_FRACTION:g} x T (not measured)"
         if not read_bw:
             sources["read_bytes_per_s"] = "assumed equal to the write bandwidth"
+        with self._lock:
+            record_bytes = statistics.median(self._record_bytes) if self._record_bytes else 0.0
         alpha, alpha_high, how = self.write_interference()
         sources["write_interference"] = how
         return Costs(iteration_s=t, diff_bytes=sd, snapshot_bytes=snap_bytes, snapshot_block_s=block_s,
                      write_bytes_per_s=fit.bytes_per_s, write_latency_s=fit.latency_s, replay_step_s=rep,
                      read_bytes_per_s=read_bw, restart_s=restart_s, write_interference=alpha,
-                     write_interference_high=alpha_high, sources=sources)
+                     write_interference_high=alpha_high, sources=sources, record_bytes=record_bytes)
 
 
 def _drift(old: float, new: float) -> float:
@@ -376,10 +379,13 @@ class AutoTuner:
                  every_steps: int | None = None, batch_steps: int | None = None,
                  restart_s: float = 0.0, profiler: Profiler | None = None, check_every_steps: int = 8,
                  bootstrap_every_steps: int = 128, bootstrap_batch_steps: int = 16,
-                 probe_steps: int = PROBE_STEPS, probe_batch_steps: int = PROBE_BATCH_STEPS) -> None:
+                 probe_steps: int = PROBE_STEPS, probe_batch_steps: int = PROBE_BATCH_STEPS,
+                 max_buffer_bytes: int = 1 << 30, record_bytes_hint: float | None = None) -> None:
+        """``record_bytes_hint``: an upper bound on one step's record (the dense gradient bytes), known before
+        the first step: the bootstrap batch is capped so its waiting records fit ``max_buffer_bytes``."""
         self.limits = Limits(mtbf_s=mtbf_s, max_overhead=max_overhead, max_log_bytes=max_log_bytes,
                              queue_depth=queue_depth, keep_snapshots=keep_snapshots,
-                             every_steps=every_steps, batch_steps=batch_steps)
+                             every_steps=every_steps, batch_steps=batch_steps, max_buffer_bytes=max_buffer_bytes)
         if not 0 < retune_drift:
             raise ValueError(f"retune_drift must be > 0, got {retune_drift}")
         if probe_steps < 1 or probe_batch_steps < 1:
@@ -393,6 +399,9 @@ class AutoTuner:
         self.decisions: list[Decision] = []
         """Every decision of this process, oldest first (see :meth:`Decision.to_dict`); probes among them
         (``Decision.probe_steps`` > 0)."""
+        if record_bytes_hint and max_buffer_bytes:
+            bootstrap_batch_steps = max(1, min(bootstrap_batch_steps,
+                                               int(max_buffer_bytes // (queue_depth * record_bytes_hint))))
         b = batch_steps or bootstrap_batch_steps
         if every_steps is not None:
             b = batch_steps or _largest_divisor_at_most(every_steps, bootstrap_batch_steps)
@@ -408,7 +417,8 @@ class AutoTuner:
         re-solve), or None."""
 
     @classmethod
-    def from_config(cls, config: Any, profiler: Profiler | None = None) -> AutoTuner | None:
+    def from_config(cls, config: Any, profiler: Profiler | None = None,
+                    record_bytes_hint: float | None = None) -> AutoTuner | None:
         """An AutoTuner when ``snapshot.every_steps`` or ``log.batch_steps`` is ``"auto"``, else None."""
         every, batch = config.snapshot.every_steps, config.log.batch_steps
         if every != "auto" and batch != "auto":
@@ -417,7 +427,8 @@ class AutoTuner:
         return cls(mtbf_s=t.mtbf_hours * 3600.0, max_overhead=t.max_overhead, max_log_bytes=t.max_log_bytes or 0,
                    retune_drift=t.retune_drift, queue_depth=config.log.queue_depth,
                    keep_snapshots=config.snapshot.keep, every_steps=None if every == "auto" else every,
-                   batch_steps=None if batch == "auto" else batch, profiler=profiler)
+                   batch_steps=None if batch == "auto" else batch, profiler=profiler,
+                   max_buffer_bytes=t.max_buffer_bytes, record_bytes_hint=record_bytes_hint)
 
     def current(self) -> tuple[int, int]:
         """(every_steps, batch_steps) in force now (a probe's while :attr:`probing`)."""
@@ -552,6 +563,9 @@ class AutoTuner:
             bp = _largest_divisor_at_most(lim.every_steps, self.probe_batch_steps)
         else:
             bp = self.probe_batch_steps
+            cap = memory_batch_cap(self._last_decision().costs, lim)  # a probe follows a decision
+            if cap is not None:
+                bp = min(bp, cap)
         fp = lim.every_steps if lim.every_steps is not None else bp * math.ceil((f + self.probe_steps) / bp)
         return fp, bp
 

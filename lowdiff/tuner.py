@@ -54,6 +54,8 @@ class Costs:
     """An upper estimate of alpha, used only to check ``max_overhead`` (None: ``write_interference``). On a noisy
     machine the measured alpha is uncertain: the optimum is sought with the low estimate (noise must not read
     as contention), the bound is kept with the high one (noise must not hide contention)."""
+    record_bytes: float = 0.0
+    """Host bytes of one step's record while it waits for the writer (raw payload); 0: assume ``diff_bytes``."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Where a value came from when it was not measured directly (e.g. ``replay_step_s: "apply time"``)."""
 
@@ -61,7 +63,7 @@ class Costs:
         for name in ("iteration_s", "write_bytes_per_s"):
             _check(name, getattr(self, name), lambda v: v > 0, "> 0")
         for name in ("diff_bytes", "snapshot_bytes", "snapshot_block_s", "write_latency_s", "replay_step_s",
-                     "read_bytes_per_s", "read_latency_s", "restart_s"):
+                     "read_bytes_per_s", "read_latency_s", "restart_s", "record_bytes"):
             _check(name, getattr(self, name), lambda v: v >= 0, ">= 0")
         _check("write_interference", self.write_interference, lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.write_interference_high is not None:
@@ -98,6 +100,10 @@ class Limits:
     """Fixed by the user: only F is tuned, among the multiples of B."""
     max_every_steps: int = 1_000_000
     max_batch_steps: int = 4096
+    max_buffer_bytes: int = 1 << 30
+    """Host memory the records waiting for the writer may take (``tuner.max_buffer_bytes``): up to queue_depth
+    segments of B records wait, so B is never chosen above max_buffer_bytes / (queue_depth x record bytes).
+    0: no bound."""
 
     def __post_init__(self) -> None:
         _check("mtbf_s", self.mtbf_s, lambda v: v > 0, "> 0")
@@ -112,6 +118,15 @@ class Limits:
                 _check(name, v, lambda x: x >= 1, ">= 1 or None")
         _check("max_batch_steps", self.max_batch_steps, lambda v: v >= 1, ">= 1")
         _check("max_every_steps", self.max_every_steps, lambda v: v >= 1, ">= 1")
+        _check("max_buffer_bytes", self.max_buffer_bytes, lambda v: v >= 0, ">= 0")
+
+
+def memory_batch_cap(costs: Costs, limits: Limits) -> int | None:
+    """The largest B whose waiting records fit ``max_buffer_bytes`` (None: no bound); at least 1."""
+    per_step = costs.record_bytes or costs.diff_bytes
+    if not limits.max_buffer_bytes or per_step <= 0:
+        return None
+    return max(1, int(limits.max_buffer_bytes // (limits.queue_depth * per_step)))
 
 
 def _check(name: str, value: Any, ok: Any, allowed: str) -> None:
@@ -333,10 +348,11 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _batch_candidates(limits: Limits) -> list[int]:
+def _batch_candidates(costs: Costs, limits: Limits) -> list[int]:
     if limits.batch_steps is not None:
         return [limits.batch_steps]
-    top = limits.max_batch_steps
+    cap = memory_batch_cap(costs, limits)
+    top = limits.max_batch_steps if cap is None else min(limits.max_batch_steps, cap)
     if limits.every_steps is not None:
         return [d for d in _divisors(limits.every_steps) if d <= top] or [1]
     out = list(range(1, min(top, _EXHAUSTIVE_BATCH) + 1))
@@ -403,7 +419,7 @@ def solve(costs: Costs, limits: Limits) -> Decision:
     When no point meets ``max_overhead`` / ``max_writer_load``, returns the point that comes closest (largest
     allowed F) with ``feasible=False``; ``max_log_bytes`` is never exceeded if any F allows it."""
     best: Breakdown | None = None
-    for b in _batch_candidates(limits):
+    for b in _batch_candidates(costs, limits):
         cand = _best_for_batch(costs, limits, b)
         if cand is None:
             continue
@@ -452,6 +468,10 @@ def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None,
         lines.append(f"  every_steps fixed at {lim.every_steps} by the config; B chosen among its divisors")
     if lim.batch_steps is not None:
         lines.append(f"  batch_steps fixed at {lim.batch_steps} by the config; F chosen among its multiples")
+    cap = memory_batch_cap(c, lim)
+    if cap is not None and lim.batch_steps is None and b.batch_steps >= cap:
+        lines.append(f"  B capped at {cap} by max_buffer_bytes {_b(lim.max_buffer_bytes)}: up to queue_depth "
+                     f"{lim.queue_depth} x B records of {_b(c.record_bytes or c.diff_bytes)} wait for the writer")
     if at_bmin is not None:
         m = at_bmin
         lines.append(

@@ -500,7 +500,7 @@ def test_config_accepts_auto_and_tuner_section(tmp_path) -> None:
     ({"tuner": {"max_log_bytes": 1.5}}, "'tuner.max_log_bytes' must be an integer >= 0"),
     ({"tuner": {"retune_drift": 0}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
     ({"tuner": {"retune_drift": False}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
-    ({"tuner": {"mtbf": 3}}, "unknown config key 'tuner.mtbf'; allowed keys here: max_log_bytes, max_overhead, "
+    ({"tuner": {"mtbf": 3}}, "unknown config key 'tuner.mtbf'; allowed keys here: max_buffer_bytes, max_log_bytes, max_overhead, "
                              "mtbf_hours, retune_drift"),
     ({"tuner": 3}, "'tuner' must be a mapping"),
 ])
@@ -584,3 +584,37 @@ def test_writes_seen_together_are_split() -> None:
     fresh = Profiler()  # no segment time known yet: split by bytes
     fresh.on_writes(segments=1, segment_bytes=1e6, snapshots=1, snapshot_bytes=9e6, seconds=1.0, steps_per_segment=4)
     assert fresh._snapshot_writes[-1] == (9e6, pytest.approx(0.9)) and fresh.diff_bytes() == pytest.approx(2.5e5)
+
+
+# --- host memory of the records waiting for the writer --------------------------------------------------------
+
+
+def test_batch_never_exceeds_the_buffer_bound() -> None:
+    """B records wait per segment and queue_depth segments may wait: the solver keeps them in max_buffer_bytes,
+    even where a larger B would pay (the contended regime raises B) or where no point meets the limits."""
+    c = COSTS["contended"].replace(record_bytes=40e6)  # 40 MB per step, as compressor none logs a 10M model
+    free = solve(c, Limits(mtbf_s=3600, max_buffer_bytes=0))
+    capped = solve(c, Limits(mtbf_s=3600, max_buffer_bytes=1 << 30))
+    assert free.batch_steps > 6
+    assert capped.batch_steps <= (1 << 30) // (4 * 40e6) == 6
+    assert "B capped at 6 by max_buffer_bytes" in capped.rationale
+    hopeless = solve(c.replace(write_bytes_per_s=1e6), Limits(mtbf_s=3600, max_buffer_bytes=1 << 30))
+    assert not hopeless.feasible and hopeless.batch_steps <= 6
+    # Without a measured record size, the on-disk bytes per step stand in.
+    assert solve(c.replace(record_bytes=0.0, diff_bytes=100e6), Limits(mtbf_s=3600)).batch_steps <= 2
+
+
+def test_bootstrap_batch_fits_the_buffer_bound() -> None:
+    big = AutoTuner(mtbf_s=3600, record_bytes_hint=200e6)  # 200 MB records: 1 GiB holds 4 x 1
+    assert big.current()[1] == 1
+    small = AutoTuner(mtbf_s=3600, record_bytes_hint=1e6)
+    assert small.current()[1] == 16  # the usual bootstrap batch
+    assert AutoTuner(mtbf_s=3600, record_bytes_hint=200e6, max_buffer_bytes=0).current()[1] == 16
+
+
+def test_buffer_bound_is_configurable_and_checked() -> None:
+    cfg = Config.from_dict({"run_dir": "x", "snapshot": {"every_steps": "auto"},
+                            "tuner": {"max_buffer_bytes": 123456789}})
+    assert AutoTuner.from_config(cfg).limits.max_buffer_bytes == 123456789
+    with pytest.raises(ConfigError, match="tuner.max_buffer_bytes"):
+        Config.from_dict({"run_dir": "x", "tuner": {"max_buffer_bytes": -1}})
