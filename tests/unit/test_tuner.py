@@ -500,8 +500,8 @@ def test_config_accepts_auto_and_tuner_section(tmp_path) -> None:
     ({"tuner": {"max_log_bytes": 1.5}}, "'tuner.max_log_bytes' must be an integer >= 0"),
     ({"tuner": {"retune_drift": 0}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
     ({"tuner": {"retune_drift": False}}, "'tuner.retune_drift' must be a fraction in (0, 1]"),
-    ({"tuner": {"mtbf": 3}}, "unknown config key 'tuner.mtbf'; allowed keys here: max_buffer_bytes, max_log_bytes, max_overhead, "
-                             "mtbf_hours, retune_drift"),
+    ({"tuner": {"mtbf": 3}}, "unknown config key 'tuner.mtbf'; allowed keys here: max_buffer_bytes, "
+                             "max_log_bytes, max_overhead, mtbf_hours, retune_drift"),
     ({"tuner": 3}, "'tuner' must be a mapping"),
 ])
 def test_config_rejects_bad_tuner_values(data: dict, message: str) -> None:
