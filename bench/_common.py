@@ -140,29 +140,38 @@ def _pss_bytes(pid: int) -> int:
     return 0
 
 
+def pss_tree_bytes(pid: int) -> int:
+    """PSS of process ``pid`` plus all its descendants, read once (no thread)."""
+    todo, seen, total = [pid], set(), 0
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += _pss_bytes(p)
+        todo += _children(p)
+    return total
+
+
 class PssSampler:
-    """Samples the proportional set size (PSS) of this process plus all its descendants every ``period_s``.
+    """Samples the proportional set size (PSS) of a process (default: this one) plus all its descendants every
+    ``period_s``, from a thread of this process.
 
     PSS splits pages shared between a parent and forked workers, so the sum over processes is the real
     footprint (summing RSS would count torch's shared libraries and copy-on-write pages once per process).
+    Sample another process (``pid``) when the measured one must stay free of threads (lowdiff forks replay
+    workers only from a process without other threads).
     """
 
-    def __init__(self, period_s: float = 0.02) -> None:
+    def __init__(self, period_s: float = 0.02, pid: int | None = None) -> None:
         self.period_s = period_s
+        self.pid = os.getpid() if pid is None else pid
         self.peak_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _total(self) -> int:
-        todo, seen, total = [os.getpid()], set(), 0
-        while todo:
-            pid = todo.pop()
-            if pid in seen:
-                continue
-            seen.add(pid)
-            total += _pss_bytes(pid)
-            todo += _children(pid)
-        return total
+        return pss_tree_bytes(self.pid)
 
     def _run(self) -> None:
         while not self._stop.is_set():

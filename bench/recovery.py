@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     FULL_MODEL,
+    ROOT,
     SMOKE_MODEL,
     PssSampler,
     machine_info,
@@ -41,7 +42,7 @@ from _common import (  # noqa: E402
     median,
     output_paths,
     peak_rss_bytes,
-    run_probe,
+    pss_tree_bytes,
     train_step,
     write_json,
 )
@@ -93,20 +94,42 @@ def _recompute(spec: Any, start_path: Path, batches: list[Any], steps: int, work
 def probe(args: argparse.Namespace) -> None:
     """``--probe-recover RUN_DIR STEP WORKERS`` (or ``--probe-load PATH``): peak memory in a fresh process."""
     torch.set_num_threads(args.threads)
-    with PssSampler() as base:
-        pass
-    before = base.peak_bytes
+    before = pss_tree_bytes(os.getpid())
     t0 = time.perf_counter()
-    with PssSampler() as s:
-        if args.probe_load:
+    extra: dict[str, Any] = {}
+    if args.probe_load:
+        with PssSampler() as s:
             obj = torch.load(args.probe_load, weights_only=True)
-        else:
-            run_dir, step, workers = args.probe_recover
-            obj = lowdiff.recover(run_dir, step=int(step), workers=int(workers))
+        extra["pss_peak_bytes"] = s.peak_bytes
+    else:
+        # No sampler thread here: with another thread running, recover() would not fork its replay workers.
+        # The parent samples this process and its workers (_run_sampled_probe).
+        run_dir, step, workers = args.probe_recover
+        obj = lowdiff.recover(run_dir, step=int(step), workers=int(workers))
+        extra.update(mode=obj.report.mode, workers_used=obj.report.workers)
     dt = time.perf_counter() - t0
     del obj
-    print(json.dumps({"pss_before_bytes": before, "pss_peak_bytes": s.peak_bytes,
-                      "peak_rss_self_bytes": peak_rss_bytes(), "wall_s": dt}))
+    print(json.dumps({"pss_before_bytes": before, "peak_rss_self_bytes": peak_rss_bytes(), "wall_s": dt,
+                      **extra}))
+
+
+def _run_sampled_probe(probe_args: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run a probe in a fresh interpreter while this process samples its PSS (and its workers')."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.Popen([sys.executable, str(Path(__file__)), *probe_args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    with PssSampler(pid=p.pid) as s:
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+    if p.returncode != 0:
+        raise RuntimeError(f"probe {probe_args} failed (rc {p.returncode}):\n{err[-3000:]}")
+    v = json.loads(out.strip().splitlines()[-1])
+    v.setdefault("pss_peak_bytes", s.peak_bytes)
+    return v
 
 
 def main() -> None:
@@ -182,7 +205,7 @@ def main() -> None:
             jobs["torch.load full state"] = ["--probe-load", str(full_path)]
             for name, probe_args in jobs.items():
                 try:
-                    v = run_probe(Path(__file__), [*probe_args, "--threads", str(args.threads)], timeout_s=900)
+                    v = _run_sampled_probe([*probe_args, "--threads", str(args.threads)], timeout_s=900)
                 except (RuntimeError, subprocess.SubprocessError) as e:
                     memory["errors"][name] = str(e)[-1500:]
                     print(f"  memory probe {name} FAILED: {str(e)[-300:]}", flush=True)
@@ -191,7 +214,7 @@ def main() -> None:
                 v["peak_over_state"] = v["peak_over_before_bytes"] / state_bytes
                 memory["probes"][name] = v
                 print(f"  peak memory {name}: {mb(v['peak_over_before_bytes']):.0f} MB above start "
-                      f"({v['peak_over_state']:.2f} x state)", flush=True)
+                      f"({v['peak_over_state']:.2f} x state){', ' + v['mode'] if 'mode' in v else ''}", flush=True)
 
         # -- interleaved measurements ------------------------------------------------------------------------------
         replay: dict[str, list[dict[str, Any]]] = {}
@@ -324,7 +347,8 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
                   "| what | peak above start | / model+AdamW state | peak RSS of the parent process (VmHWM) |",
                   "|---|---|---|---|"]
         for name, v in out["memory"]["probes"].items():
-            lines.append(f"| {name} | {mb(v['peak_over_before_bytes']):.0f} MB | {v['peak_over_state']:.2f} | "
+            how = f" ({v['mode']}, {v['workers_used']} process(es))" if "mode" in v else ""
+            lines.append(f"| {name}{how} | {mb(v['peak_over_before_bytes']):.0f} MB | {v['peak_over_state']:.2f} | "
                          f"{mb(v['peak_rss_self_bytes']):.0f} MB |")
         lines.append("")
     lines += DESIGN_NOTES

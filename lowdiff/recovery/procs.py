@@ -42,6 +42,17 @@ def fork_unsafe_reason() -> str | None:
 MAX_DEFAULT_WORKERS = 8
 
 
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``) before forking: pages freed but still mapped
+    would otherwise stay resident in the parent and be counted once more by every child that touches them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def default_workers() -> int:
     """``recover(workers=None)``: one worker per CPU this process may run on, at most MAX_DEFAULT_WORKERS."""
     try:

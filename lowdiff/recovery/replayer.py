@@ -19,6 +19,7 @@ result bit for bit against the uninterrupted run with tiny chunks, and workers=2
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import inspect
 import math
@@ -146,9 +147,17 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
                                        result, times, progress)
         if stepper is not None and stepper.built and len(stepper.opts) > 1:
             shared = stepper.shared_keys()
-            for w in range(1, len(stepper.opts)):
-                children.append(procs.start(w, functools.partial(
-                    _replay_share, manifest, pending, start, target, device, stepper, w, shared)))
+            stepper.drop_grads()  # each process decodes into buffers of its own: none inherited to copy on write
+            procs.trim_heap()
+            # Objects that exist now are left out of the children's garbage collections, which would otherwise
+            # write to (and so copy) every page of the inherited Python heap.
+            gc.freeze()
+            try:
+                for w in range(1, len(stepper.opts)):
+                    children.append(procs.start(w, functools.partial(
+                        _replay_share, manifest, pending, start, target, device, stepper, w, shared)))
+            finally:
+                gc.unfreeze()
             result.workers = len(stepper.opts)
             stepper.own(0)
             own = stepper.own_names()
@@ -254,6 +263,7 @@ CHUNK_ELEMS = 1 << 16
 """Elements per chunk (a multiple of 4096): 64 K float32 = 256 KB per tensor, so the optimizer's working set for
 one chunk (parameter, gradient, two moments, temporaries) stays within L2/L3."""
 
+_TRIM_EVERY_BYTES = 32 << 20  # moving state into shared memory: hand freed private pages back this often
 _SQRT_MIN_ELEMS = 256  # below this, the checks cost more than the slow path
 _TINY32 = torch.finfo(torch.float32).tiny
 _TINY32_T = torch.tensor(_TINY32, dtype=torch.float32)
@@ -366,6 +376,7 @@ class _Stepper:
                     opt.state[p][k] = v.contiguous()
         self.built = True
         if self.share:
+            self.drop_grads()  # the step they fed is done; fewer bytes resident while the state moves
             self._move_to_shared()
         size = max(4096, CHUNK_ELEMS - CHUNK_ELEMS % 4096) if CHUNK_ELEMS >= 4096 else max(1, CHUNK_ELEMS)
         name_of = {id(p): n for n, p in params.items()}
@@ -432,27 +443,50 @@ class _Stepper:
         """Move every parameter and per-element state tensor into one ``MAP_SHARED`` anonymous mapping (before the
         chunks view them): worker processes forked later update them in place for everyone."""
         opt = self.opt
-        tensors: list[tuple[Any, Any, torch.Tensor]] = []  # (owner, key, tensor)
+        # (owner, key): a parameter (key None) or an entry of a state dict. Only these hold the private copies,
+        # so each is freed as soon as its tensor has moved.
+        slots: list[tuple[Any, Any]] = []
         for p in self.params.values():
-            tensors.append((p, None, p.detach()))
+            slots.append((p, None))
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == p.shape and (v.dim() > 0 or p.dim() == 0):
-                    tensors.append((opt.state[p], k, v))
+                    slots.append((opt.state[p], k))
         align = 64
-        total = sum((t.nbytes + align - 1) // align * align for _, _, t in tensors)
+
+        def get(owner: Any, key: Any) -> torch.Tensor:
+            return owner.detach() if key is None else owner[key]
+
+        total = sum((get(o, k).nbytes + align - 1) // align * align for o, k in slots)
         self.arena = mmap.mmap(-1, max(total, align))
-        offset = 0
-        for owner, key, t in tensors:
+        offset = freed = 0
+        for owner, key in slots:
+            if freed >= _TRIM_EVERY_BYTES:
+                procs.trim_heap()  # hand the private copies already moved back, so they never all coexist
+                freed = 0
+            t = get(owner, key)
+            freed += t.nbytes
             if t.numel():
                 new = torch.frombuffer(self.arena, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
                 new.copy_(t)
             else:
                 new = torch.empty_like(t)
             offset += (t.nbytes + align - 1) // align * align
+            del t
             if key is None:
                 owner.data = new
             else:
                 owner[key] = new
+        procs.trim_heap()
+
+    def drop_grads(self) -> None:
+        """Forget every gradient and decode buffer (they are rebuilt at the next step)."""
+        for cs in getattr(self, "chunks", {}).values():
+            for c in cs:
+                c.param.grad = None
+        for p in self.params.values():
+            p.grad = None
+        for d in (self.grad_of, self.topk_buf, self.topk_prev, self.topk_version):
+            d.clear()
 
     def shared_keys(self) -> dict[str, frozenset[str]]:
         """Per parameter, the state keys held in full shared tensors now (chunks' entries view them)."""

@@ -91,3 +91,14 @@ def test_default_is_one_worker_per_cpu(run) -> None:
     assert rec.report.workers == expected or (expected > 1 and 2 <= rec.report.workers < expected)
     assert rec.report.mode == ("parallel" if rec.report.workers > 1 else "sequential")
     assert_state_equal(*refs[9], rec)
+
+
+def test_state_created_mid_replay_in_a_tensor_split_over_workers(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """head_b gets its first gradient at step 2, after the fork: its optimizer state is born in per-chunk pieces in
+    several processes (4-element chunks split it over all three) and must be joined exactly at the end."""
+    root, refs = run
+    monkeypatch.setattr(replayer, "CHUNK_ELEMS", 4)
+    for target in (1, 2, 9):
+        rec = lowdiff.recover(root, step=target, workers=3)
+        assert rec.report.workers == 3 or target == 1
+        assert_state_equal(*refs[target], rec)
