@@ -162,8 +162,9 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
             stepper.own(0)
             own = stepper.own_names()
         elif share:
-            result.note = ("sequential (the optimizer state is not per-element)" if stepper is not None
-                           else "sequential (no optimized tensors)")
+            result.note = ("sequential (no optimized tensors)" if stepper is None else
+                           "sequential (a single chunk: nothing to share)" if stepper.built else
+                           "sequential (the optimizer state is not per-element)")
         _replay_log(manifest, pending, own, with_buffers, start, target, device, stepper, result, times, progress)
         while children:
             states, child_q = procs.collect(children[0])
