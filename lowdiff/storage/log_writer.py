@@ -216,6 +216,8 @@ class BackgroundWriter:
         except BaseException as e:
             self._fail(e)
             return
+        finally:
+            state.done()  # its host buffers serve the next snapshot
         self.stats.write_s += time.perf_counter() - t0
         self.stats.snapshots += 1
         self.stats.snapshot_bytes += nbytes

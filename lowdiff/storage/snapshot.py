@@ -54,6 +54,15 @@ class SnapshotState:
             self.ready.synchronize()
             self.ready = None
 
+    release: Any = None
+    """As StepRecord.release: hands pooled host buffers behind the tensors above back for the next snapshot;
+    called once by :meth:`done` when the writer has persisted (or failed to persist) this state."""
+
+    def done(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED) -> int:
     """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no

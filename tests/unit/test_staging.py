@@ -44,3 +44,19 @@ def test_pooled_records_recover_exactly(tmp_path: Path) -> None:
     t.opt.close()
     for k in range(12):
         assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k))
+
+
+def test_pooled_snapshots_are_each_exact(tmp_path: Path) -> None:
+    """Snapshot host copies are reused once the writer has persisted them: each snapshot file must still hold its
+    own step's state (a buffer handed back too early would hold a later one)."""
+    s = Scenario(model="mlp_bn", optimizer="adamw", compressor="topk", ratio=0.25, batch_steps=1, every_steps=2)
+    t = train_run(s, tmp_path / "run", 10, close=False)
+    t.opt.close()
+    assert t.opt._snapshot_pool.reused > 0
+    snaps = sorted((tmp_path / "run" / "snapshots").glob("step-*.h5"))
+    assert len(snaps) == 6  # steps 0, 2, ..., 10
+    for k in (2, 4, 6, 8, 10):
+        # Only step k's snapshot and nothing after it: the recovery reads that snapshot alone.
+        rec = lowdiff.recover(tmp_path / "run", step=k)
+        assert rec.report.snapshot_step == k and rec.report.steps_replayed == 0
+        assert_state_equal(*t.refs[k], rec)
