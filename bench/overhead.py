@@ -399,6 +399,7 @@ class AutoLowDiffMode(LowDiffMode):
         self.warmup_steps = 0
         self.warmup_s = 0.0
         self.alignment = "not warmed up"
+        self.aligned_to: dict[str, int] = {}
         self.drain_timeouts = 0
 
     def config(self) -> dict[str, Any]:
@@ -450,6 +451,7 @@ class AutoLowDiffMode(LowDiffMode):
                 break
         self.warmup_s = time.perf_counter() - t0
         decided = bool(tuner.decisions)
+        self.aligned_to = {"every_steps": f, "batch_steps": b}
         self.alignment = (f"every_steps={f} batch_steps={b} window={self.window} after {self.warmup_steps} warm-up "
                           f"steps ({self.warmup_s:.0f} s){'' if decided else ' - NO DECISION YET (bootstrap values)'}")
         print(f"  {self.name}: {self.alignment}", flush=True)
@@ -485,6 +487,7 @@ class AutoLowDiffMode(LowDiffMode):
             "snapshot_every_steps": "auto", "batch_steps": "auto", "tuner_mtbf_hours": self.mtbf_hours,
             "tuner_max_overhead": self.max_overhead, "alignment": self.alignment, "warmup_steps": self.warmup_steps,
             "in_force": {"every_steps": self.ckpt.every_steps, "batch_steps": self.ckpt.batch_steps},
+            "aligned_to": self.aligned_to,
             "drain_timeouts": self.drain_timeouts,
             "decisions": [{"step": d.step, "reason": d.reason, "every_steps": d.every_steps,
                            "batch_steps": d.batch_steps, "predicted_overhead": d.overhead,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import atexit
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,13 @@ class LowDiffOptimizer:
             except BaseException:
                 self._checkpointer.close()  # a failed wrap must not keep the run directory locked
                 raise
+            # close() at interpreter exit, or when the wrapper is garbage-collected unclosed: a script that ends
+            # without close() would otherwise lose the steps of its last partial segment, and the writer thread
+            # (a daemon) could be torn down in the middle of a write ("terminate called without an active
+            # exception", exit status 134). Holds the checkpointer and the hooks, never the wrapper itself.
+            self._release = weakref.finalize(self, _release, self._checkpointer, self._layerwise)
+            self._release.atexit = False  # _close_at_exit runs it, before h5py's own exit handler
+            _OPEN.add(self)
 
     # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
 
@@ -215,10 +224,11 @@ class LowDiffOptimizer:
         if self._closed:
             return
         self._closed = True
-        if self._layerwise is not None:
-            self._layerwise.remove()
+        _OPEN.discard(self)
         if self._checkpointer is not None:
-            self._checkpointer.close()
+            self._release()
+        elif self._layerwise is not None:
+            self._layerwise.remove()
 
     def __enter__(self) -> LowDiffOptimizer:
         return self
@@ -408,6 +418,26 @@ class LowDiffOptimizer:
         for (d, k), t in zip(slots, host):
             d[k] = t
         return state
+
+
+_OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
+"""Wrappers with a run directory, not closed yet."""
+
+
+@atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler
+def _close_at_exit() -> None:
+    for opt in list(_OPEN):
+        try:
+            opt.close()
+        except Exception as e:  # one failure must not keep the others open
+            log.error("lowdiff: closing %s at interpreter exit failed: %s", opt.config.run_dir, e)
+
+
+def _release(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> None:
+    """What close() does: remove the capture hooks, flush the log and release the run directory."""
+    if layerwise is not None:
+        layerwise.remove()
+    checkpointer.close()
 
 
 def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
