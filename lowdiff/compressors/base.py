@@ -51,7 +51,8 @@ class Compressor(ABC):
         return n * itemsize
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter memory, keyed by parameter name; saved in every full snapshot."""
+        """Per-parameter memory, keyed by parameter name; saved in every full snapshot. The tensors are the
+        compressor's own: the next ``compress`` updates them in place (copy what must outlive it)."""
         return {}
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -23,24 +23,63 @@ def k_for(numel: int, ratio: float) -> int:
     return max(1, min(numel, math.ceil(ratio * numel)))
 
 
-def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+class Workspace:
+    """Scratch buffers reused from call to call (one per dtype, grown to the largest tensor seen): a fresh
+    temporary as large as a parameter is a fresh mapping on the CPU whose pages fault in every step."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get((dtype, device))
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = None,
+                workspace: Workspace | None = None) -> torch.Tensor:
     """Flat int64 indices of the k largest |flat|, sorted ascending."""
     n = flat.numel()
-    mag = flat.abs()
     if k >= n:
         return torch.arange(n, device=flat.device)
+    cpu = flat.device.type == "cpu"
+    mag = torch.abs(flat, out=workspace.take(n, flat.dtype, flat.device)) if workspace is not None and cpu \
+        else flat.abs()
     # On a GPU torch.topk is fast, and the sampled path's candidate count would synchronize with the host.
-    if flat.device.type == "cpu" and n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
+    if cpu and n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
         sample_idx = torch.randint(0, n, (_SAMPLE_SIZE,), device=flat.device, generator=generator)
         sample = mag[sample_idx]
-        # Aim for ~2k candidates so one pass almost always has at least k.
-        q = max(0.0, 1.0 - min(1.0, 2.0 * k / n))
-        threshold = torch.quantile(sample.float(), q).to(mag.dtype)
-        candidates = torch.nonzero(mag >= threshold).flatten()
+        # Aim for ~2k candidates so one pass almost always has at least k: the sample's value of that rank.
+        keep = min(_SAMPLE_SIZE, max(1, math.ceil(2.0 * k / n * _SAMPLE_SIZE)))
+        threshold = torch.kthvalue(sample, _SAMPLE_SIZE - keep + 1).values
+        mask = torch.ge(mag, threshold, out=workspace.take(n, torch.bool, flat.device)) \
+            if workspace is not None else mag >= threshold
+        candidates = nonzero_flat(mask)  # ascending
         if candidates.numel() >= k:
             top = torch.topk(mag[candidates], k, sorted=False).indices
-            return torch.sort(candidates[top]).values
+            return candidates[_positions_mask(top, candidates.numel())]  # still ascending, without a sort
     return torch.sort(torch.topk(mag, k, sorted=False).indices).values
+
+
+def nonzero_flat(mask: torch.Tensor) -> torch.Tensor:
+    """``torch.nonzero(mask).flatten()`` for a sparse 1-D bool mask, about twice as fast on the CPU: the mask is
+    read 8 bytes at a time and only the words holding a True are looked into."""
+    n = mask.numel()
+    if mask.device.type != "cpu" or n < 64:
+        return torch.nonzero(mask).flatten()
+    pad = (-n) % 8
+    aligned = mask.is_contiguous() and mask.storage_offset() % 8 == 0
+    padded = mask if aligned and not pad else torch.cat([mask, mask.new_zeros(pad)])
+    words = torch.nonzero(padded.view(torch.int64)).flatten()
+    hits = torch.nonzero(padded.view(-1, 8)[words])
+    return words[hits[:, 0]] * 8 + hits[:, 1]
+
+
+def _positions_mask(positions: torch.Tensor, n: int) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool, device=positions.device)
+    mask[positions] = True
+    return mask
 
 
 class TopKCompressor(Compressor):
@@ -51,17 +90,23 @@ class TopKCompressor(Compressor):
         self.error_feedback = error_feedback
         self._residual: dict[str, torch.Tensor] = {}
         self._generator: dict[str, torch.Generator] = {}
+        self._workspace = Workspace()
 
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
         flat = grad.reshape(-1)
         residual = self._residual.get(fqn) if self.error_feedback else None
-        acc = flat + residual if residual is not None else flat.clone()
+        if residual is not None and (residual.shape != flat.shape or residual.dtype != flat.dtype
+                                     or residual.device != flat.device):
+            residual = None
+        # grad + residual (the same bits as residual + grad) in the residual's own memory, which then becomes
+        # the new residual in place: no temporary as large as the parameter.
+        acc = residual.add_(flat) if residual is not None else flat.clone()
         gen = self._generator.get(fqn)
         if gen is None or gen.device != acc.device:
             gen = torch.Generator(device=acc.device)
             gen.manual_seed(0x10D1FF)
             self._generator[fqn] = gen
-        idx = select_topk(acc, k_for(acc.numel(), self.ratio), gen)
+        idx = select_topk(acc, k_for(acc.numel(), self.ratio), gen, self._workspace)
         values = acc[idx]
         if self.error_feedback:
             acc[idx] = 0  # acc becomes what this step dropped

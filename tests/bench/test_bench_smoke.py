@@ -94,3 +94,9 @@ def test_overhead_smoke_auto(tmp_path: Path) -> None:
     # re-decide during the rounds: every decision is in r["decisions"]).
     f, b = r["aligned_to"]["every_steps"], r["aligned_to"]["batch_steps"]
     assert f % b == 0 and f % r["window_steps"] == 0 and r["window_steps"] % b == 0
+
+
+def test_compress_smoke(tmp_path: Path) -> None:
+    out = _run("compress.py", tmp_path)
+    assert [r["method"] for r in out["rows"]][-1] == "plain training step"
+    assert all(r["median_s"] > 0 and len(r["runs_s"]) == out["rounds"] for r in out["rows"])

@@ -51,9 +51,28 @@ def test_select_topk_sampled_path_is_exact(seed: int, n: int, ratio: float) -> N
     x = _distinct(seed, n, torch.float32)
     k = topk.k_for(n, ratio)
     gen = torch.Generator().manual_seed(seed)
-    got = topk.select_topk(x, k, gen)
-    assert got.numel() == k and bool((got[1:] > got[:-1]).all())
-    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+    for ws in (None, topk.Workspace()):
+        got = topk.select_topk(x, k, gen, ws)
+        assert got.numel() == k and bool((got[1:] > got[:-1]).all())
+        assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 5000), density=st.sampled_from([0.0, 0.001, 0.02, 0.5, 1.0]))
+def test_nonzero_flat_equals_torch_nonzero(seed: int, n: int, density: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, generator=gen) < density
+    got = topk.nonzero_flat(mask)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.nonzero(mask).flatten())
+    if n > 8:  # a view that does not start at a word boundary
+        assert torch.equal(topk.nonzero_flat(mask[3:]), torch.nonzero(mask[3:]).flatten())
+
+
+def test_topk_workspace_is_reused_and_grows() -> None:
+    ws = topk.Workspace()
+    a = ws.take(100, torch.float32, torch.device("cpu"))
+    b = ws.take(50, torch.float32, torch.device("cpu"))
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 50
+    assert ws.take(200, torch.float32, torch.device("cpu")).numel() == 200
 
 
 @given(numel=st.integers(0, 10_000), ratio=st.floats(1e-6, 1.0))
@@ -211,3 +230,54 @@ def test_identity_payload_is_the_gradient() -> None:
 def test_make_compressor_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="unknown compressor"):
         make_compressor("dgc")
+
+
+class _ReferencePowerSGD:
+    """PowerSGD as first written (format v1): one fresh tensor per operation, whole matrices. Logs written by
+    that code must replay bit for bit, so the block-wise, in-place compressor must match it exactly."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.residual, self.q = rank, {}, {}
+
+    def compress(self, fqn: str, grad: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        n, m, r = powersgd.factor_shapes(grad.shape, self.rank)
+        matrix = grad.reshape(n, m)
+        if fqn in self.residual:
+            matrix = matrix + self.residual[fqn]
+        q = self.q.get(fqn)
+        if q is None:
+            q = powersgd.PowerSGDCompressor(rank=self.rank).initial_q(fqn, m, r, matrix)
+        p = matrix @ q
+        powersgd.orthogonalize(p)
+        q = matrix.T @ p
+        self.q[fqn] = q.clone()
+        dec = p[:, 0:1] * q[:, 0].unsqueeze(0)
+        for i in range(1, r):
+            dec = dec + p[:, i : i + 1] * q[:, i].unsqueeze(0)
+        self.residual[fqn] = matrix - dec
+        return {"p": p, "q": q}, dec.reshape(grad.shape)
+
+
+@settings(deadline=None, max_examples=60)
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(8, 16), (33, 10), (70, 3, 3), (9, 200), (130, 65)]),
+       rank=st.integers(1, 4), block=st.sampled_from([1, 7, 64, 1000, 1 << 16]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_powersgd_blockwise_in_place_matches_the_reference(seed: int, shape, rank: int, block: int, dtype) -> None:
+    """Blocks of any size (one row, several, a partial last one, the whole matrix), over steps with error
+    feedback: the payload, the decoded gradient and the residual are those of the reference, bit for bit."""
+    saved = powersgd.CPU_BLOCK_ELEMS
+    powersgd.CPU_BLOCK_ELEMS = block
+    try:
+        c, ref = make_compressor("powersgd", rank=rank), _ReferencePowerSGD(rank)
+        for t in range(3):
+            grad = _tensor(seed + t, shape, dtype)
+            kept = grad.clone()
+            payload, dec = c.compress_decode("w", grad)
+            want, want_dec = ref.compress("w", grad)
+            assert torch.equal(grad, kept), "the caller's gradient is not changed"
+            assert torch.equal(payload["p"], want["p"]) and torch.equal(payload["q"], want["q"])
+            assert dec.dtype == want_dec.dtype and torch.equal(dec, want_dec)
+            assert torch.equal(c.state_dict()["w"]["residual"], ref.residual["w"])
+            assert torch.equal(decode_payload(payload, shape), want_dec)
+    finally:
+        powersgd.CPU_BLOCK_ELEMS = saved
