@@ -47,8 +47,10 @@ Protocol (one process, one model, one AdamW shared by every mode, so every mode 
     compression cost is excluded; both twins get the same warm-up). The shared machine's load drifts on a
     scale of seconds, so only neighbouring windows are compared. The reported overhead is the median over rounds.
   * checkpoint events are aligned with window starts (the k-step counter is 0 at a window start; the lowdiff
-    warm-up is W-1 steps for a lowdiff window of W steps, so its snapshot steps, multiples of
-    ``snapshot.every_steps``, start a window). When the interval k exceeds the window W, only some rounds hold
+    warm-up is W-1 steps for a lowdiff window of W steps, plus one snapshot interval, so its snapshot steps,
+    multiples of ``snapshot.every_steps``, start a window, and the run's first snapshot, which allocates the host
+    buffers every later one reuses, is not timed: the timed ones are the steady state; ``--time-first-snapshot``
+    times it). When the interval k exceeds the window W, only some rounds hold
     an event; the ratio is then stratified: (1 - W/k) * median(rounds without) + (W/k) * median(rounds with).
   * background work (lowdiff's writer, CheckFreq's persist thread, DCP's upload) still running when a window
     ends is waited for OUTSIDE the timed window (so it cannot slow the next window); that wait is reported, and
@@ -228,12 +230,15 @@ class Mode:
 class LowDiffMode(Mode):
     family = "lowdiff"
 
-    def __init__(self, comp: str, enabled: bool, every: int, batch_steps: int, codec: str, align: int) -> None:
+    def __init__(self, comp: str, enabled: bool, every: int, batch_steps: int, codec: str, align: int,
+                 warm_snapshot: bool = True) -> None:
         super().__init__(f"lowdiff-{comp}" + ("" if enabled else "-off"))
         self.comp, self.enabled, self.every, self.batch_steps, self.codec = comp, enabled, every, batch_steps, codec
         self.ref = f"lowdiff-{comp}-off" if enabled else "plain"
         self.k = every if enabled else None
-        self.warmup = align - 1  # the same for both twins: a fresh Top-k compressor is slower for ~20 steps
+        # The same for both twins: a fresh Top-k compressor is slower for ~20 steps. With warm_snapshot the first
+        # snapshot falls in the warm-up: it allocates the host buffers every later snapshot reuses (once per run).
+        self.warmup = align - 1 + (every if warm_snapshot else 0)
 
     def config(self) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir), "enabled": self.enabled,
@@ -301,9 +306,10 @@ class LowDiffPlusMode(LowDiffMode):
 
     VARIANTS = ("shadow", "layerwise")
 
-    def __init__(self, comp: str, variant: str, every: int, batch_steps: int, codec: str, align: int) -> None:
+    def __init__(self, comp: str, variant: str, every: int, batch_steps: int, codec: str, align: int,
+                 warm_snapshot: bool = True) -> None:
         assert variant in self.VARIANTS, variant
-        super().__init__(comp, True, every, batch_steps, codec, align)
+        super().__init__(comp, True, every, batch_steps, codec, align, warm_snapshot)
         self.variant = variant
         self.name = f"lowdiff-{comp}-{variant}"
         self._suspended = False  # hooks removed by the benchmark (between this mode's windows)
@@ -698,18 +704,20 @@ def dcp_available() -> tuple[bool, str]:
 
 
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
-                batch_steps: dict[str, int], with_dcp: bool, auto: dict[str, Any] | None = None) -> list[Mode]:
+                batch_steps: dict[str, int], with_dcp: bool, auto: dict[str, Any] | None = None,
+                warm_snapshot: bool = True) -> list[Mode]:
     """``auto``: {"compressors": [...], "mtbf_hours", "max_overhead", "max_warmup_steps"} adds lowdiff-C-auto for
     those compressors (and for any named in ``names``). Compressor none also gets the LowDiff+ variants
     lowdiff-none-shadow (CPU only) and lowdiff-none-layerwise."""
     modes: list[Mode] = [Mode("plain")]
     for comp in ("topk", "powersgd", "none"):
-        modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window))
-        modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window))
+        modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window, warm_snapshot))
+        modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window, warm_snapshot))
         if comp == "none":  # the LowDiff+ variants (the shadow replica is refused when training on a GPU)
             for variant in LowDiffPlusMode.VARIANTS:
                 if not (variant == "shadow" and DEVICE.type != "cpu"):
-                    modes.append(LowDiffPlusMode(comp, variant, every, batch_steps[comp], codec, ld_window))
+                    modes.append(LowDiffPlusMode(comp, variant, every, batch_steps[comp], codec, ld_window,
+                                                   warm_snapshot))
         if auto is not None and (comp in auto["compressors"] or f"lowdiff-{comp}-auto" in (names or [])):
             modes.append(AutoLowDiffMode(comp, codec, ld_window, auto["mtbf_hours"], auto["max_overhead"],
                                          auto["max_warmup_steps"], auto.get("retune_drift")))
@@ -964,6 +972,9 @@ def main() -> None:
                     help="no clip_grad_norm_ in any mode: clipping scales gradients in place after backward, so "
                          "lowdiff-none-layerwise's captures go stale and lowdiff removes its hooks (the mode then "
                          "measures the step() copy); use with --modes lowdiff-none-layerwise to measure the hooks")
+    ap.add_argument("--time-first-snapshot", action="store_true",
+                    help="lowdiff modes warm up W-1 steps only, so the first snapshot of the run (which allocates "
+                         "the host buffers later ones reuse) is timed; by default it falls in the warm-up")
     ap.add_argument("--modes", help="comma-separated subset of modes (plus their references)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-RSS subprocesses")
     ap.add_argument("--bw-reps", type=int)
@@ -1032,7 +1043,8 @@ def main() -> None:
         nparams = sum(p.numel() for p in model.parameters())
         batches = to_device(spec.batches(8), DEVICE)
         ctx = Ctx(model, inner, work)
-        modes = build_modes(names, ks, every, s, s_ld, args.codec, _batch_steps(args), with_dcp, auto)
+        modes = build_modes(names, ks, every, s, s_ld, args.codec, _batch_steps(args), with_dcp, auto,
+                            warm_snapshot=not args.time_first_snapshot)
         train_step(model, inner, batches[0])  # AdamW state exists before anyone snapshots it
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
@@ -1179,6 +1191,7 @@ def main() -> None:
             "model": {**spec.as_dict(), "params": nparams, "state_bytes_model_plus_adam": state_bytes,
                       "size": "smoke" if args.smoke else args.model_size},
             "protocol": {"rounds": rounds, "window_steps": s, "lowdiff_window_steps": s_ld, "ks": ks,
+                         "first_snapshot_timed": bool(args.time_first_snapshot),
                          "lowdiff_snapshot_every_steps": every,
                          "lowdiff_batch_steps": _batch_steps(args), "codec": args.codec, "torch_threads": args.threads,
                          "auto": auto, "tidy": args.tidy, "snapshot_keep": SNAPSHOT_KEEP,
@@ -1256,7 +1269,12 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
         "between two windows of its `enabled: false` twin; one process, one shared model (see the docstring of "
         "bench/overhead.py). Overhead = median over rounds of (window mean step time / mean step time of its "
         "reference measured next to it), stratified by rounds with and without a checkpoint event when the "
-        "interval exceeds the window. The reference of `lowdiff-C` is `lowdiff-C-off` (same compressor, "
+        "interval exceeds the window. "
+        + ("The run's first lowdiff snapshot (it allocates the host buffers later ones reuse) is timed. "
+           if pr.get("first_snapshot_timed") else
+           "Each lowdiff mode's first snapshot (it allocates the host buffers later ones reuse) falls in its "
+           "warm-up; the timed snapshots are the steady state. " if "first_snapshot_timed" in pr else "")
+        + "The reference of `lowdiff-C` is `lowdiff-C-off` (same compressor, "
         "`enabled: false`), so compression cost is excluded; every other reference is `plain`. 'incl. drain' also "
         "charges the wait for background work still pending at the end of a window (an upper bound). 'CPU' is "
         "the same ratio on process CPU time (all threads, so background work counts in full; waiting on the disk "
