@@ -104,6 +104,10 @@ class Checkpointer:
                                         keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
                                         shard=self.shard, shadow=shadow)
 
+    def on_writer_thread(self) -> bool:
+        """Whether the caller runs on the background writer's thread."""
+        return self._writer is not None and self._writer.on_thread()
+
     @property
     def stats(self) -> WriterStats:
         return self._writer.stats if self._writer else WriterStats()

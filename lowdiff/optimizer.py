@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
-import atexit
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -91,6 +92,8 @@ class LowDiffOptimizer:
                 self._open_run_dir()
             except BaseException:
                 self._checkpointer.close()  # a failed wrap must not keep the run directory locked
+                if self._layerwise is not None:
+                    self._layerwise.remove()  # nor its hooks on the model's parameters
                 raise
             # close() at interpreter exit, or when the wrapper is garbage-collected unclosed: a script that ends
             # without close() would otherwise lose the steps of its last partial segment, and the writer thread
@@ -180,17 +183,17 @@ class LowDiffOptimizer:
             return self._step
         assert self._checkpointer is not None
         run_dir = self._checkpointer.run_dir
-        device = next(iter(self._spec.params.values())).device.type if self._spec.params else "cpu"
+        device = str(next(iter(self._spec.params.values())).device) if self._spec.params else "cpu"
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
         rec = recover(run_dir, device=device, workers=1 if self._coord.world_size > 1 else None)
         self.model.load_state_dict(rec.model)
         self.inner.load_state_dict(rec.optimizer)
         if rec.compressor_state_exact:
-            self.compressor.load_state_dict(_to_device(rec.compressor_state, device))
+            self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
         else:
             # Residuals cannot be rebuilt from the log: they restart at zero. PowerSGD's warm-start Q is in
             # the log, so it continues exactly. (docs/FORMAT.md, "Resuming between snapshots")
-            self.compressor.load_state_dict(_to_device(rec.compressor_state, device))
+            self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
             log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero",
                      rec.step)
         for s in rec.report.skipped:
@@ -226,7 +229,10 @@ class LowDiffOptimizer:
         self._closed = True
         _OPEN.discard(self)
         if self._checkpointer is not None:
-            self._release()
+            # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
+            # the process's first finalize was made, possibly after ours) does nothing.
+            if self._release.detach() is not None:
+                _release(self._checkpointer, self._layerwise)
         elif self._layerwise is not None:
             self._layerwise.remove()
 
@@ -354,6 +360,12 @@ class LowDiffOptimizer:
                                    "GPU training drifts in the last bits); turn it off on GPUs")
         return ShadowReplica(self._spec.manifest, state, type(self.inner))
 
+    def _on_param_devices(self, state: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """Compressor state moved to the device of the parameter it belongs to (under DDP, each rank's own)."""
+        params = self._spec.params
+        return {n: {k: v.to(params[n].device) if n in params else v for k, v in st.items()}
+                for n, st in state.items()}
+
     def _state_nbytes(self, p: torch.Tensor) -> int:
         return p.numel() * p.element_size()
 
@@ -435,6 +447,14 @@ def _close_at_exit() -> None:
 
 def _release(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> None:
     """What close() does: remove the capture hooks, flush the log and release the run directory."""
+    if checkpointer.on_writer_thread():
+        # A garbage collection the writer thread happened to run: a flush there would wait for that very thread.
+        threading.Thread(target=_close, args=(checkpointer, layerwise), name="lowdiff-close").start()
+        return
+    _close(checkpointer, layerwise)
+
+
+def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> None:
     if layerwise is not None:
         layerwise.remove()
     checkpointer.close()
@@ -468,10 +488,6 @@ def _wants_layerwise(config: Config) -> bool:
     # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
     # overlapping inner.step) measured as fast or faster (docs/gpu.md).
     return config.log.capture == "layerwise"
-
-
-def _to_device(state: dict[str, dict[str, torch.Tensor]], device: str) -> dict[str, dict[str, torch.Tensor]]:
-    return {n: {k: v.to(device) for k, v in st.items()} for n, st in state.items()}
 
 
 def _quarantine_beyond(run_dir: Path, step: int) -> None:

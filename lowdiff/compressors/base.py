@@ -20,6 +20,14 @@ class Comm(Protocol):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
 
+def check_residual(fqn: str, residual: torch.Tensor, grad: torch.Tensor) -> None:
+    """A residual is updated in place with its gradient added: it must match it."""
+    if residual.shape != grad.shape or residual.dtype != grad.dtype or residual.device != grad.device:
+        raise ValueError(f"the error-feedback residual of {fqn!r} is {residual.dtype} {tuple(residual.shape)} on "
+                         f"{residual.device}, its gradient {grad.dtype} {tuple(grad.shape)} on {grad.device}: load "
+                         "compressor state saved for this model, on its parameters' devices")
+
+
 class Compressor(ABC):
     """Turns a gradient into a payload; keeps per-parameter memory (error-feedback residuals, warm starts).
 
@@ -33,7 +41,9 @@ class Compressor(ABC):
         """Compress ``grad`` of parameter ``fqn`` (adds and updates that parameter's residual).
 
         With ``comm`` the payload is the AGGREGATED one, identical on every rank: what all ranks consume
-        (its decode, averaged over ranks) and what the log stores. ``grad`` is read, never written."""
+        (its decode, averaged over ranks) and what the log stores. ``grad`` is read, never written. The residual
+        takes ``grad`` in first, in place: a call that raises (a collective failing, out of memory) leaves it
+        added there."""
 
     def compress_decode(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> tuple[Payload, torch.Tensor]:
         """``compress`` and the dense gradient the payload stands for (``decode_payload``'s bits), in one go so

@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-from lowdiff.compressors.base import Comm, Compressor, Payload
+from lowdiff.compressors.base import Comm, Compressor, Payload, check_residual
 from lowdiff.errors import CorruptFileError
 
 
@@ -74,10 +74,8 @@ class PowerSGDCompressor(Compressor):
         n, m, r = dims
         g = grad.reshape(n, m)
         residual = self._residual.get(fqn) if self.error_feedback else None
-        if residual is not None and (residual.shape != g.shape or residual.dtype != g.dtype
-                                     or residual.device != g.device):
-            residual = None
         if residual is not None:
+            check_residual(fqn, residual, g)
             # grad + residual (the same bits as residual + grad), in the residual's own memory: after the factors
             # are taken, the new residual (matrix - decoded) overwrites it in place, block by block.
             matrix = residual.add_(g)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from lowdiff.compressors.base import Comm, Compressor, Payload
+from lowdiff.compressors.base import Comm, Compressor, Payload, check_residual
 from lowdiff.errors import CorruptFileError
 
 # Below this many elements torch.topk is already cheap.
@@ -95,9 +95,8 @@ class TopKCompressor(Compressor):
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
         flat = grad.reshape(-1)
         residual = self._residual.get(fqn) if self.error_feedback else None
-        if residual is not None and (residual.shape != flat.shape or residual.dtype != flat.dtype
-                                     or residual.device != flat.device):
-            residual = None
+        if residual is not None:
+            check_residual(fqn, residual, flat)
         # grad + residual (the same bits as residual + grad) in the residual's own memory, which then becomes
         # the new residual in place: no temporary as large as the parameter.
         acc = residual.add_(flat) if residual is not None else flat.clone()

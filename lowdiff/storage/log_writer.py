@@ -131,6 +131,9 @@ class BackgroundWriter:
             self._queue.put(_CLOSE)
             self._thread.join()
 
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def take_error(self) -> BaseException | None:
         """The first background failure not yet reported (each is reported once)."""
         with self._lock:

@@ -6,8 +6,10 @@ import gc
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import lowdiff
@@ -24,6 +26,9 @@ SCRIPT = textwrap.dedent("""
         opt.step()
         opt.zero_grad()
     # no opt.close(): steps 5-7 are in the writer's open batch
+    if len(sys.argv) > 3:  # as if weakref's own exit hook had run first (it does when registered after ours)
+        import weakref
+        weakref.finalize._shutdown = True
 """)
 
 
@@ -32,11 +37,12 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def test_exit_without_close_flushes_the_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weakref_exit_first", [False, True])
+def test_exit_without_close_flushes_the_log(tmp_path: Path, weakref_exit_first: bool) -> None:
     for comp in ("topk", "powersgd", "none"):
         run_dir = tmp_path / comp
-        p = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), comp], capture_output=True, text=True,
-                           timeout=120)
+        p = subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), comp, *(["x"] if weakref_exit_first else [])],
+                           capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         assert "terminate" not in p.stderr and "Error" not in p.stderr, p.stderr
         assert lowdiff.recover(run_dir).step == 7
@@ -58,3 +64,27 @@ def test_collected_wrapper_flushes_and_unlocks(tmp_path: Path) -> None:
     opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, cfg)
     assert opt.resume() == 3
     opt.close()
+
+
+def test_collection_on_the_writer_thread_closes_from_another_thread(tmp_path: Path) -> None:
+    """A garbage collection can run on any thread; on the writer's, closing there would wait for itself."""
+    from lowdiff.optimizer import _release
+
+    model = _model()
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                       {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk", "ratio": 0.25},
+                        "snapshot": {"every_steps": 100}, "log": {"batch_steps": 4}})
+    for _ in range(3):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ck = opt._checkpointer
+    ck.on_writer_thread = lambda: True  # as if called from the writer thread
+    _release(ck, None)  # returns at once
+    closers = [t for t in threading.enumerate() if t.name == "lowdiff-close"]
+    for t in closers:
+        t.join(timeout=60)
+    assert closers and not any(t.is_alive() for t in closers)
+    assert lowdiff.recover(tmp_path / "run").step == 3
+    opt._release.detach()
+    opt._closed = True

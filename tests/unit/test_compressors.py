@@ -281,3 +281,15 @@ def test_powersgd_blockwise_in_place_matches_the_reference(seed: int, shape, ran
             assert torch.equal(decode_payload(payload, shape), want_dec)
     finally:
         powersgd.CPU_BLOCK_ELEMS = saved
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_a_residual_that_does_not_match_its_gradient_is_an_error(name: str) -> None:
+    """The residual is updated in place with the gradient added: a mismatch (state loaded for another model, or
+    onto another device) must not be silently reset or broadcast."""
+    c = make_compressor(name, ratio=0.25, rank=2)
+    c.compress("w", _tensor(0, (10, 12)))
+    state = c.state_dict()
+    c.load_state_dict({"w": {k: (v.double() if k == "residual" else v) for k, v in state["w"].items()}})
+    with pytest.raises(ValueError, match="residual of 'w'"):
+        c.compress("w", _tensor(1, (10, 12)))
