@@ -216,14 +216,15 @@ def median(xs: list[float]) -> float:
 
 
 def output_paths(out_dir: str | None, name: str) -> tuple[Path, Path, Path]:
-    """(json, markdown, png). Default: bench/results/NAME.json, docs/NAME.md, docs/NAME.png."""
+    """(json, markdown, png). Default: bench/results/NAME.json, docs/measurements/NAME.md and .png."""
     if out_dir:
         d = Path(out_dir)
         d.mkdir(parents=True, exist_ok=True)
         return d / f"{name}.json", d / f"{name}.md", d / f"{name}.png"
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "docs").mkdir(parents=True, exist_ok=True)
-    return ROOT / "bench" / "results" / f"{name}.json", ROOT / "docs" / f"{name}.md", ROOT / "docs" / f"{name}.png"
+    pages = ROOT / "docs" / "measurements"
+    pages.mkdir(parents=True, exist_ok=True)
+    return ROOT / "bench" / "results" / f"{name}.json", pages / f"{name}.md", pages / f"{name}.png"
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -244,3 +245,18 @@ def dir_bytes(path: Path) -> int:
 
 def mb(nbytes: float) -> float:
     return nbytes / 1e6
+
+
+def pyplot(path: Path) -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (with a message saying how to get it) when matplotlib is
+    not installed: the benchmark's JSON and Markdown results do not need it, only the plot at ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"bench: matplotlib is not installed, so {path} is not drawn (pip install -e '.[bench]')",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

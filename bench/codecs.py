@@ -3,7 +3,7 @@
 Gradients come from a few training steps of examples/tinygpt.py on the stdlib text; each codec encodes and
 decodes the same bytes, round-robin over several rounds; medians are reported.
 
-    python bench/codecs.py            # writes bench/results/codecs.json and docs/codecs.md
+    python bench/codecs.py            # writes bench/results/codecs.json and docs/measurements/codecs.md
     python bench/codecs.py --smoke    # seconds
 """
 
@@ -83,7 +83,7 @@ def main() -> None:
     lines += [f"| {r['dtype']} | {r['codec']} | {r['ratio']:.3f} | {r['encode_MB_s']:.0f} | {r['decode_MB_s']:.0f} |"
               for r in results]
     out_json = Path(args.out_dir) / "codecs.json" if args.out_dir else ROOT / "bench/results/codecs.json"
-    out_md = Path(args.out_dir) / "codecs.md" if args.out_dir else ROOT / "docs/codecs.md"
+    out_md = Path(args.out_dir) / "codecs.md" if args.out_dir else ROOT / "docs/measurements/codecs.md"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps({"setup": model_desc, "results": results}, indent=1))
     out_md.write_text("\n".join(lines) + "\n")

@@ -6,7 +6,7 @@ so machine drift cancels; medians are reported, next to the median of plain trai
 clipping, AdamW) measured in the same rounds. ``torch.topk`` is the selection the issue names as too slow
 (exact top-k of |g| per tensor, indices sorted, no error feedback or decode: a lower bound on its cost).
 
-    python bench/compress.py                       # 49.5M GPT: bench/results/compress.json, docs/compress.md
+    python bench/compress.py                       # 49.5M GPT: bench/results/compress.json, docs/measurements/compress.md
     python bench/compress.py --smoke               # seconds
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import GPT50M_MODEL, SMOKE_MODEL, machine_info, median, output_paths, train_step, write_json
+from _common import GPT50M_MODEL, SMOKE_MODEL, machine_info, median, output_paths, pyplot, train_step, write_json
 
 from lowdiff.compressors import make_compressor
 from lowdiff.compressors.topk import k_for
@@ -105,10 +105,9 @@ def main() -> None:
 
 
 def _plot(rows: list[dict[str, Any]], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(6, 2.8))
     ax.barh([r["method"] for r in rows], [r["median_s"] * 1e3 for r in rows])

@@ -5,7 +5,7 @@ Each configuration is one torchrun job (gloo, CPU, one thread per rank). Inside 
 modes alternate round by round (a fresh model, DDP wrapper and run directory per round), so machine drift
 hits both alike; the ratio is of medians of per-round median step times.
 
-    python bench/ddp.py             # bench/results/ddp.json + docs/ddp.md
+    python bench/ddp.py             # bench/results/ddp.json + docs/measurements/ddp.md
     python bench/ddp.py --smoke     # seconds
 """
 
@@ -167,7 +167,7 @@ def main() -> None:
     for r in results["overhead"]:
         lines.append(f"| {r['compressor']} | {r['off_step_s']:.4f} | {r['on_step_s']:.4f} | {r['ratio_median']:.4f} |")
     out_json = Path(a.out_dir) / "ddp.json" if a.out_dir else ROOT / "bench/results/ddp.json"
-    out_md = Path(a.out_dir) / "ddp.md" if a.out_dir else ROOT / "docs/ddp.md"
+    out_md = Path(a.out_dir) / "ddp.md" if a.out_dir else ROOT / "docs/measurements/ddp.md"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=1))
     out_md.write_text("\n".join(lines) + "\n")

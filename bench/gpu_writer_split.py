@@ -4,7 +4,7 @@ and how much is the background writer? Three runs per compressor: ``enabled: fal
 
     python bench/gpu_writer_split.py        # prints one line per run; 48M-param GPT, batch 16 x 256, 120 steps
 
-Run on the H100 on 2026-11-22 (docs/gpu.md); not part of CI (needs CUDA).
+Run on the H100 on 2026-11-22 (docs/measurements/gpu.md); not part of CI (needs CUDA).
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ from _common import (  # noqa: E402
     median,
     output_paths,
     peak_rss_bytes,
+    pyplot,
     raw_write_fsync,
     run_probe,
     to_device,
@@ -1390,10 +1391,9 @@ def write_markdown(path: Path, out: dict[str, Any]) -> None:
 
 
 def plot(path: Path, out: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     for ax, key, what in ((axes[0], "ratio", "wall-clock step time"), (axes[1], "ratio_cpu", "process CPU time")):

@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     output_paths,
     peak_rss_bytes,
     pss_tree_bytes,
+    pyplot,
     train_step,
     write_json,
 )
@@ -385,10 +386,9 @@ def _cpu_s() -> float:
 
 
 def plot(path: Path, out: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     rows = out["rows"]
     xs = [r["steps"] for r in rows]

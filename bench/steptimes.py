@@ -6,7 +6,7 @@ percentile and max step time, max / median, and the median of the snapshot steps
 others. Issue #8's bar: with ``snapshot.shadow: true`` no step waits for a snapshot (max within 1.2x the
 median). Modes run in rounds of ``--round`` steps, round-robin, so machine drift hits them alike.
 
-    python bench/steptimes.py                  # CPU, 10.8M-param GPT; docs/steptimes.md + bench/results/
+    python bench/steptimes.py                  # CPU, 10.8M-param GPT; docs/measurements/steptimes.md + bench/results/
     python bench/steptimes.py --device cuda --model 50m
     python bench/steptimes.py --smoke          # seconds; run by tests/bench
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import lowdiff  # noqa: E402
-from bench._common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths  # noqa: E402
+from bench._common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, pyplot  # noqa: E402
 
 MODEL_50M = ModelSpec(n_layer=8, d_model=704, n_head=8, batch=16, block=256)
 MODES = {
@@ -150,10 +150,9 @@ def main() -> None:
 
 
 def _plot(results: dict[str, Any], path: Path, every: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for m, r in results.items():

@@ -52,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, train_step, write_json  # noqa: E402
+from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, pyplot, train_step, write_json  # noqa: E402
 
 import lowdiff  # noqa: E402
 import lowdiff.storage.atomic as atomic_mod  # noqa: E402
@@ -606,10 +606,9 @@ def run_scenario(name: str, c: Costs, mtbf_h: float, args: argparse.Namespace) -
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
 
     cols = 2 if len(results) % 2 == 0 else 1  # MTBF 1 h | 24 h side by side, one row per disk
     rows = math.ceil(len(results) / cols)
@@ -653,7 +652,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         "Costs measured on this machine with real lowdiff writes and a real replay; the job is simulated",
         f"(discrete events, Poisson failures, jobs of {doc['job_steps']:,} steps repeated to ~{doc['failures']:,} "
         "failures per policy, common random numbers). Protocol: the docstring of bench/tuner.py; model: "
-        "docs/TUNER.md. Expected waste in seconds per hour of wall time (95 % interval of the simulation).",
+        "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time (95 % interval of the simulation).",
         "",
         "## Measured costs",
         "",

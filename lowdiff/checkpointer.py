@@ -41,11 +41,11 @@ class Checkpointer:
         self.shard = shard
         self._writer: BackgroundWriter | None = None
         self._lock: WriterLock | None = None
-        # snapshot.every_steps / log.batch_steps "auto": measured online, solved by lowdiff.tuner (docs/TUNER.md).
+        # snapshot.every_steps / log.batch_steps "auto": measured online, solved by lowdiff.tuner (docs/reference/tuner-model.md).
         self.tuner = AutoTuner.from_config(config, record_bytes_hint=record_bytes_hint)
         self._coord: Coordinator | None = None
         if self.tuner is not None and shard.count > 1:
-            # Rank 0's tuner decides; the others follow (docs/TUNER.md, "Several ranks").
+            # Rank 0's tuner decides; the others follow (docs/reference/tuner-model.md, "Several ranks").
             coord = coordinator if coordinator is not None else Coordinator(ddp=True)
             if not coord.active or coord.world_size != shard.count or coord.rank != shard.index:
                 raise UnsupportedError(
@@ -61,7 +61,7 @@ class Checkpointer:
         self._seen = WriterStats()
         self._prior_decisions: list[dict[str, Any]] = []
         self._probe_applied = False
-        """Whether the writer runs with a tuner probe's batch size (docs/TUNER.md, section 4)."""
+        """Whether the writer runs with a tuner probe's batch size (docs/reference/tuner-model.md, section 4)."""
 
     def open(self) -> None:
         """Create the directory layout, take the lock and remove stale ``*.tmp`` files (rank 0 only: the
@@ -163,7 +163,7 @@ class Checkpointer:
         if self.tuner is not None:
             self._tune(record.step)
 
-    # -- auto-tuning (docs/TUNER.md) ----------------------------------------------------------------------------
+    # -- auto-tuning (docs/reference/tuner-model.md) ----------------------------------------------------------------------------
 
     def _seed_tuner(self) -> None:
         """Start from the previous process's last decision instead of the bootstrap values."""

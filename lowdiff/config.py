@@ -91,7 +91,7 @@ class SnapshotConfig:
 
     every_steps: int | str = 100
     """Take a full snapshot every this many optimizer steps (step 0 is always snapshotted); ``auto``: the tuner
-    picks it from measured costs and ``tuner.mtbf_hours`` (docs/TUNER.md)."""
+    picks it from measured costs and ``tuner.mtbf_hours`` (docs/reference/tuner-model.md)."""
     keep: int = 0
     """Keep only the newest N snapshots and the log they need (0 keeps everything)."""
     shadow: bool = False
@@ -110,18 +110,18 @@ class LogConfig:
 
     batch_steps: int | str = 16
     """Steps per segment file; a crash loses at most this many unflushed steps. ``auto``: the tuner picks the
-    smallest batch the writer sustains, raised only while that pays (docs/TUNER.md)."""
+    smallest batch the writer sustains, raised only while that pays (docs/reference/tuner-model.md)."""
     codec: str = "auto"
     """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle first),
-    or auto (= none today): lz4 measured ratio 1.00 on full float gradients (docs/codecs.md) and the log came out
-    1.02x the raw Top-k/PowerSGD payload with lz4 (docs/overhead.md), so compressing only costs CPU."""
+    or auto (= none today): lz4 measured ratio 1.00 on full float gradients (docs/measurements/codecs.md) and the log came out
+    1.02x the raw Top-k/PowerSGD payload with lz4 (docs/measurements/overhead.md), so compressing only costs CPU."""
     queue_depth: int = 4
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
     capture: str = "auto"
     """compressor none: when the gradient is copied off the device. ``layerwise``: a post-accumulate-grad hook
     copies each gradient as backward finishes it (on a GPU the copy overlaps the rest of backward); ``step``:
     all at once in step(), overlapping the inner optimizer step on a GPU; ``auto``: step, which measured as fast
-    or faster on CPU and GPU (docs/gpu.md). A gradient changed after its hook ran (clipping, accumulation) is
+    or faster on CPU and GPU (docs/measurements/gpu.md). A gradient changed after its hook ran (clipping, accumulation) is
     copied again in step()."""
 
     def __post_init__(self) -> None:
@@ -216,7 +216,7 @@ def resolve_codec(codec: str, compressor: str) -> str:
     """The codec ``log.codec: auto`` stands for with this compressor."""
     if codec != "auto":
         return codec
-    # Measured: no lz4 gain on any payload kind (docs/codecs.md, docs/overhead.md). Kept per compressor so a
+    # Measured: no lz4 gain on any payload kind (docs/measurements/codecs.md, docs/measurements/overhead.md). Kept per compressor so a
     # payload that does compress (e.g. low-entropy indices) can opt in here.
     return "none"
 

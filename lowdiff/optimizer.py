@@ -71,7 +71,7 @@ class LowDiffOptimizer:
         self._needs_resume = False
         self._tracked: dict[str, Any] = {}
         self._blocked_reported = 0.0  # back-pressure already reported, seconds
-        # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/FORMAT.md §7).
+        # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
         self._stager = Stager(self._spec.params.values())
@@ -192,7 +192,7 @@ class LowDiffOptimizer:
             self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
         else:
             # Residuals cannot be rebuilt from the log: they restart at zero. PowerSGD's warm-start Q is in
-            # the log, so it continues exactly. (docs/FORMAT.md, "Resuming between snapshots")
+            # the log, so it continues exactly. (docs/reference/FORMAT.md, "Resuming between snapshots")
             self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
             log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero",
                      rec.step)
@@ -486,7 +486,7 @@ def _record_bytes_bound(optimized: Any, cc: Any) -> float | None:
 
 def _wants_layerwise(config: Config) -> bool:
     # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
-    # overlapping inner.step) measured as fast or faster (docs/gpu.md).
+    # overlapping inner.step) measured as fast or faster (docs/measurements/gpu.md).
     return config.log.capture == "layerwise"
 
 

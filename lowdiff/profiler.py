@@ -372,7 +372,7 @@ class AutoTuner:
     in force and the tuner re-solves as soon as alpha is measured; if it lacks steps without a write, it runs a
     probe: ``probe_steps`` steps with no snapshot and ``probe_batch_steps`` steps per segment (so most steps see
     no write), logged as a :class:`Decision` with ``probe_steps`` > 0, then re-solves with the measured alpha.
-    At most one probe per re-tune (docs/TUNER.md, section 4)."""
+    At most one probe per re-tune (docs/reference/tuner-model.md, section 4)."""
 
     def __init__(self, *, mtbf_s: float, max_overhead: float = 0.02, max_log_bytes: int = 0,
                  retune_drift: float = 0.2, queue_depth: int = 4, keep_snapshots: int = 0,

@@ -1,7 +1,7 @@
 """Random number generator state: what a resumed run needs to draw the random numbers the uninterrupted run
 would have drawn (dropout masks, noise, anything sampled in the training loop).
 
-Four sources, each captured as ONE uint8 tensor with a fixed little-endian layout (docs/FORMAT.md §7), so a
+Four sources, each captured as ONE uint8 tensor with a fixed little-endian layout (docs/reference/FORMAT.md §7), so a
 run directory never holds a pickle:
 
 - ``torch``: the CPU default generator, ``torch.get_rng_state()`` (torch's own byte layout, 5056 bytes);

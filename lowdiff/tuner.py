@@ -1,7 +1,7 @@
 """The tuner's cost model: pick the full-snapshot interval F and the log batch size B from measured costs.
 
 Pure arithmetic: no torch, no I/O, no clock, no logging, so it is unit-testable and the benchmark can call the
-very same functions. Measuring the inputs is :mod:`lowdiff.profiler`'s job; the derivation is docs/TUNER.md.
+very same functions. Measuring the inputs is :mod:`lowdiff.profiler`'s job; the derivation is docs/reference/tuner-model.md.
 
 >>> costs = Costs(iteration_s=0.1, diff_bytes=200e3, snapshot_bytes=400e6, snapshot_block_s=0.3,
 ...               write_bytes_per_s=300e6, write_latency_s=0.008, replay_step_s=0.01)

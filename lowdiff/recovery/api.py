@@ -74,7 +74,7 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
-    ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/recovery.md).
+    ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/measurements/recovery.md).
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
     optimizers, devices other than the CPU, and a process running other threads replay in one process
     (``report.mode`` says why).
@@ -137,7 +137,7 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress), 1, mode
     # Processes, not threads: threads stepping disjoint chunks were slower than one (the optimizer's per-chunk
-    # Python serializes on the GIL; docs/recovery.md). One intra-op thread each.
+    # Python serializes on the GIL; docs/measurements/recovery.md). One intra-op thread each.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -5,7 +5,7 @@ Rank 0 saves the reference state after every step to REF_OUT (a list of (model_s
 With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
 last snapshot step) in force after each step to REF_OUT.rankR.sched. --probe (with --auto): a tiny MTBF, a
 2 % overhead bound and 5 ms more per committed file, so the writer is busy at every step and the tuner probes its
-interference (docs/TUNER.md, section 4); with it REF_OUT holds every step's reference state.
+interference (docs/reference/tuner-model.md, section 4); with it REF_OUT holds every step's reference state.
 """
 
 from __future__ import annotations

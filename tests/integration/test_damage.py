@@ -1,5 +1,5 @@
 """Damaged run directories: recover() steps around a damaged file exactly, or raises CorruptFileError naming
-it. It never returns a wrong state. (DESIGN.md §4-5, docs/FORMAT.md §6)"""
+it. It never returns a wrong state. (DESIGN.md §4-5, docs/reference/FORMAT.md §6)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A run with dropout, torch / numpy / python randomness in the training loop and a
 killed mid-epoch (a real SIGKILL, in a child process), resumed with fresh objects from a fresh RNG state, and
 finished: the batches, per-step losses, parameters and optimizer state equal the uninterrupted run's
 (``torch.equal`` / ``==``). Compressor none resumes wherever the log ends; Top-k and PowerSGD resume at a
-snapshot step (between snapshots their error-feedback residuals restart at zero, docs/FORMAT.md).
+snapshot step (between snapshots their error-feedback residuals restart at zero, docs/reference/FORMAT.md).
 
 The file is also the child process: ``python test_resume_exact.py RESULT.pt RUN_DIR COMPRESSOR ...``.
 """
