@@ -47,9 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, median, train_step, write_json  # noqa: E402
 
+from lowdiff.staging import Staged  # noqa: E402
 from lowdiff.storage import container  # noqa: E402
-from lowdiff.storage.log_writer import BackgroundWriter  # noqa: E402
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir  # noqa: E402
 from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff.writer import BackgroundWriter  # noqa: E402
 
 GROUPS = [{"lr": 3e-4}]
 SLOTS = 2
@@ -276,8 +278,8 @@ def part_a(spec: Any, rounds: int, window: int, work: Path) -> dict[str, Any]:
     dirs = {m: work / m for m in ("lowdiff-thread", "ring-thread", "ring-process")}
     for d in dirs.values():
         (d / "log").mkdir(parents=True, exist_ok=True)
-    bw = BackgroundWriter(dirs["lowdiff-thread"], batch_steps=1, codec="none", compressor="none", queue_depth=2,
-                          keep_snapshots=0, durable_step=0)
+    bw = BackgroundWriter(RunDir(dirs["lowdiff-thread"]), batch_steps=1, codec="none", compressor="none",
+                          queue_depth=2, retention=RetentionPolicy(), durable_step=0)
     rings = {"ring-thread": RingWriter("thread", grads0, dirs["ring-thread"]),
              "ring-process": RingWriter("process", grads0, dirs["ring-process"])}
     modes = ["plain", "capture", "lowdiff-thread", "ring-thread", "ring-process"]
@@ -294,7 +296,7 @@ def part_a(spec: Any, rounds: int, window: int, work: Path) -> dict[str, Any]:
             with torch.no_grad():
                 rec = {n: {"full": p.grad.detach().clone()} for n, p in model.named_parameters() if p.grad is not None}
             if mode == "lowdiff-thread":
-                bw.submit_record(StepRecord(step=step_no[0], groups=GROUPS, grads=rec))
+                bw.submit_record(Staged(StepRecord(step=step_no[0], groups=GROUPS, grads=rec)))
         elif mode in rings:
             rings[mode].submit({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, step_no[0])
         opt.zero_grad(set_to_none=True)

@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SIZES,
@@ -104,7 +105,6 @@ from _common import (  # noqa: E402
 from _common import train_step as _train_step  # noqa: E402
 
 import lowdiff  # noqa: E402
-import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
 from lowdiff.compressors.powersgd import factor_shapes  # noqa: E402
 from lowdiff.compressors.topk import k_for  # noqa: E402
 from lowdiff.config import resolve_codec  # noqa: E402

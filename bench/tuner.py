@@ -57,11 +57,16 @@ from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_pat
 import lowdiff  # noqa: E402
 import lowdiff.storage.atomic as atomic_mod  # noqa: E402
 from lowdiff.compressors.topk import k_for  # noqa: E402
-from lowdiff.profiler import fit_write_cost  # noqa: E402
 from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR  # noqa: E402
 from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot  # noqa: E402
-from lowdiff.tuner import Costs, Limits, evaluate, solve  # noqa: E402
+from lowdiff.tuner import (  # noqa: E402
+    Costs,
+    Limits,
+    evaluate,
+    fit_write_cost,  # noqa: E402
+    solve,
+)
 
 TOPK_RATIO = 0.01
 QUEUE_DEPTH = 4

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.staging import Stager
+from lowdiff.staging import HostCopier
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ BUCKET_BYTES = 16 << 20
 
 
 class LayerwiseCapture:
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: Stager) -> None:
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: HostCopier) -> None:
         self._stager = stager
         self._captured: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._pending: list[tuple[str, torch.Tensor, int]] = []

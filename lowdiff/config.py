@@ -113,22 +113,26 @@ class LogConfig:
     smallest batch the writer sustains, raised only while that pays (docs/reference/tuner-model.md)."""
     codec: str = "auto"
     """Lossless compression of payload bytes: none, lz4, zstd, shuffle-lz4 or shuffle-zstd (byte-shuffle first),
-    or auto (= none today): lz4 measured ratio 1.00 on full float gradients (docs/measurements/codecs.md) and the log came out
-    1.02x the raw Top-k/PowerSGD payload with lz4 (docs/measurements/overhead.md), so compressing only costs CPU."""
+    or auto (= none today): lz4 measured ratio 1.00 on full float gradients (docs/measurements/codecs.md) and the
+    log came out 1.02x the raw Top-k/PowerSGD payload with lz4 (docs/measurements/overhead.md), so compressing only
+    costs CPU."""
     queue_depth: int = 4
     """Segments' worth of records that may wait for the writer before step() blocks (back-pressure)."""
     capture: str = "auto"
     """compressor none: when the gradient is copied off the device. ``layerwise``: a post-accumulate-grad hook
     copies each gradient as backward finishes it (on a GPU the copy overlaps the rest of backward); ``step``:
     all at once in step(), overlapping the inner optimizer step on a GPU; ``auto``: step, which measured as fast
-    or faster on CPU and GPU (docs/measurements/gpu.md). A gradient changed after its hook ran (clipping, accumulation) is
-    copied again in step()."""
+    or faster on CPU and GPU (docs/measurements/gpu.md). A gradient changed after its hook ran (clipping,
+    accumulation) is copied again in step()."""
+    backpressure_warn_s: float = 5.0
+    """Warn each time training has waited this many seconds more, in all, for a full writer queue (> 0)."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
         _check_choice("log.codec", self.codec, (*CODECS, "auto"))
         _check_min_int("log.queue_depth", self.queue_depth, 1)
         _check_choice("log.capture", self.capture, CAPTURES)
+        _check_number("log.backpressure_warn_s", self.backpressure_warn_s, lambda v: v > 0, "a number > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,8 +220,8 @@ def resolve_codec(codec: str, compressor: str) -> str:
     """The codec ``log.codec: auto`` stands for with this compressor."""
     if codec != "auto":
         return codec
-    # Measured: no lz4 gain on any payload kind (docs/measurements/codecs.md, docs/measurements/overhead.md). Kept per compressor so a
-    # payload that does compress (e.g. low-entropy indices) can opt in here.
+    # Measured: no lz4 gain on any payload kind (docs/measurements/codecs.md, docs/measurements/overhead.md). Kept
+    # per compressor so a payload that does compress (e.g. low-entropy indices) can opt in here.
     return "none"
 
 

@@ -3,41 +3,36 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
-from lowdiff.checkpointer import Checkpointer
+from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
 from lowdiff.compressors import make_compressor
 from lowdiff.config import Config, load_config, resolve_codec
-from lowdiff.data import positions_of, restore_positions
+from lowdiff.data import restore_positions
 from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
 from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.model_spec import describe, unwrap_model
 from lowdiff.recovery import recover
 from lowdiff.shadow import ShadowReplica
-from lowdiff.staging import HostPool, Stager
-from lowdiff.storage.atomic import fsync_dir
-from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
-from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
-from lowdiff.storage.segment import StepRecord
+from lowdiff.stager import Stager, encode_groups
+from lowdiff.staging import HostCopier
+from lowdiff.storage.format import Shard, encode_value
+from lowdiff.storage.run_dir import RunDir
 from lowdiff.storage.sharding import partition_by_size
-from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+from lowdiff.storage.snapshot import SnapshotState
 
 log = logging.getLogger(__name__)
-
-BACKPRESSURE_REPORT_S = 5.0
-
 
 class LowDiffOptimizer:
     """Drop-in for the wrapped optimizer: ``step``, ``zero_grad``, ``param_groups`` and ``state`` behave as the
@@ -67,39 +62,35 @@ class LowDiffOptimizer:
         self._leader = self._coord.rank == 0
         self._step = 0
         self._closed = False
-        self._buffer_last: dict[str, torch.Tensor] = {}
         self._needs_resume = False
         self._tracked: dict[str, Any] = {}
         self._blocked_reported = 0.0  # back-pressure already reported, seconds
-        # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
-        self._rng_rank = rng_state.current_rank()
-        self._cuda_devices = sorted({p.device.index or 0 for p in self._spec.params.values() if p.is_cuda})
-        self._stager = Stager(self._spec.params.values())
-        self._pool = HostPool()
-        # Snapshots' host copies on the CPU: reused from one snapshot to the next (a fresh 595 MB copy of a 50M
-        # model's state faulted its pages in on the training thread, ~1 s per snapshot here); held between them.
-        self._snapshot_pool = HostPool()
-        self._layerwise: LayerwiseCapture | None = None
+        copier = HostCopier(self._spec.params.values())
+        layerwise: LayerwiseCapture | None = None
         if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config):
-            self._layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log],
-                                               self._stager)
+            layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log], copier)
+        self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
+                              leader=self._leader, tracked=self._tracked, layerwise=layerwise)
+        self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
-            shard = Shard(self._coord.rank, self._coord.world_size)
-            self._checkpointer = Checkpointer(config, cc.name, shard, coordinator=self._coord,
-                                              record_bytes_hint=_record_bytes_bound(self._spec.optimized, cc))
+            run_dir = RunDir(config.run_dir, Shard(self._coord.rank, self._coord.world_size))
+            self._run_dir = run_dir
             try:
-                self._open_run_dir()
+                policy = make_policy(config, run_dir, self._coord,
+                                     _record_bytes_bound(self._spec.optimized, cc))
+                self._checkpointer = Checkpointer(config, run_dir, policy)
+                self._open_run_dir(run_dir)
             except BaseException:
-                self._checkpointer.close()  # a failed wrap must not keep the run directory locked
-                if self._layerwise is not None:
-                    self._layerwise.remove()  # nor its hooks on the model's parameters
+                run_dir.release()  # a failed wrap must not keep the run directory locked
+                if layerwise is not None:
+                    layerwise.remove()  # nor its hooks on the model's parameters
                 raise
             # close() at interpreter exit, or when the wrapper is garbage-collected unclosed: a script that ends
             # without close() would otherwise lose the steps of its last partial segment, and the writer thread
             # (a daemon) could be torn down in the middle of a write ("terminate called without an active
             # exception", exit status 134). Holds the checkpointer and the hooks, never the wrapper itself.
-            self._release = weakref.finalize(self, _release, self._checkpointer, self._layerwise)
+            self._release = weakref.finalize(self, _release, self._checkpointer, layerwise)
             self._release.atexit = False  # _close_at_exit runs it, before h5py's own exit handler
             _OPEN.add(self)
 
@@ -154,35 +145,32 @@ class LowDiffOptimizer:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
-    def _open_run_dir(self) -> None:
+    def _open_run_dir(self, run_dir: RunDir) -> None:
         assert self._checkpointer is not None
-        ckpt = self._checkpointer
         if self._leader:
-            ckpt.open()
+            run_dir.open()
         self._coord.barrier("open run directory")
-        run_dir = ckpt.run_dir
-        if (run_dir / MANIFEST).exists():
-            check_compatible(read_manifest(run_dir), self._spec.manifest, run_dir)
+        if run_dir.has_run():
+            run_dir.check_compatible(self._spec.manifest)
             self._needs_resume = True
             return
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
-        self._remember_buffers()
-        state0 = self._capture(0)
-        state0.wait_ready()
-        write_snapshot(run_dir, state0, resolve_codec(self.config.log.codec, self.config.compressor.name), ckpt.shard)
+        self._stager.remember_buffers()
+        state0 = self._stager.snapshot(0).wait()
+        run_dir.write_snapshot(state0, resolve_codec(self.config.log.codec, self.config.compressor.name))
         self._coord.barrier("snapshot 0")
         if self._leader:
-            write_manifest(run_dir, self._spec.manifest)
+            run_dir.commit_manifest(self._spec.manifest)
         self._coord.barrier("manifest")
-        ckpt.start(durable_step=0, shadow=self._make_shadow(state0))
+        self._checkpointer.start(durable_step=0, shadow=self._make_shadow(state0))
 
     def resume(self) -> int:
         """Restore model, optimizer and compressor to the run's latest durable step and return it (0 when the
         run directory is new). Call once, before the first ``step``."""
         if not self._needs_resume:
             return self._step
-        assert self._checkpointer is not None
-        run_dir = self._checkpointer.run_dir
+        assert self._checkpointer is not None and self._run_dir is not None
+        run_dir = self._run_dir.path
         device = str(next(iter(self._spec.params.values())).device) if self._spec.params else "cpu"
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
         rec = recover(run_dir, device=device, workers=1 if self._coord.world_size > 1 else None)
@@ -200,16 +188,16 @@ class LowDiffOptimizer:
             log.warning("lowdiff: resume skipped %s", s)
         self._coord.barrier("recovered")
         if self._leader:
-            _quarantine_beyond(run_dir, rec.step)
+            self._run_dir.quarantine_beyond(rec.step)
         self._coord.barrier("quarantined")
         self._step = rec.step
-        self._remember_buffers()
+        self._stager.remember_buffers()
         self._needs_resume = False
-        shadow = self._make_shadow(self._capture(rec.step)) if self.config.snapshot.shadow else None
+        shadow = self._make_shadow(self._stager.snapshot(rec.step).wait()) if self.config.snapshot.shadow else None
         self._checkpointer.start(durable_step=rec.step, shadow=shadow)
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
         restore_positions(self._tracked, rec.data, rec.step)
-        rng_state.restore_at_resume(rec.rng, self._rng_rank, rec.step)
+        rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
         log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
         return rec.step
 
@@ -222,6 +210,23 @@ class LowDiffOptimizer:
         """The newest step guaranteed to be on disk."""
         return self._checkpointer.durable_step if self._checkpointer else 0
 
+    @property
+    def stats(self) -> CheckpointStats | None:
+        """A reading of the checkpointer's counters: steps and bytes committed, time written and blocked, queue
+        depth, the snapshot interval and batch size in force, the tuner's decisions (None with
+        ``enabled: false``).
+
+        >>> st = opt.stats                                              # doctest: +SKIP
+        >>> st.durable_step, st.steps_committed, st.blocked_s          # doctest: +SKIP
+        """
+        if self._checkpointer is None:
+            return None
+        lw = self._stager.layerwise
+        return dataclasses.replace(
+            self._checkpointer.stats(), host_buffers_reused=self._stager.reused,
+            snapshot_buffers_reused=self._stager.snapshots_reused,
+            layerwise=LayerwiseStats(lw.hits, lw.misses, lw.active) if lw is not None else None)
+
     def close(self) -> None:
         """Flush and release the run directory; everything logged is durable when it returns."""
         if self._closed:
@@ -232,9 +237,9 @@ class LowDiffOptimizer:
             # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
             # the process's first finalize was made, possibly after ours) does nothing.
             if self._release.detach() is not None:
-                _release(self._checkpointer, self._layerwise)
-        elif self._layerwise is not None:
-            self._layerwise.remove()
+                _release(self._checkpointer, self._stager.layerwise)
+        elif self._stager.layerwise is not None:
+            self._stager.layerwise.remove()
 
     def __enter__(self) -> LowDiffOptimizer:
         return self
@@ -277,76 +282,42 @@ class LowDiffOptimizer:
                         p.grad = decoded
                 if name in self._owned_log:
                     grads[name] = payload
-        record, stage_s = None, 0.0
-        if self._checkpointer is not None:
+        ckpt = self._checkpointer
+        copies, stage_s = None, 0.0
+        if ckpt is not None:
             # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
             t_stage = time.perf_counter()
-            record = self._stage_record(grads)
+            copies = self._stager.copy_step(grads)
             stage_s = time.perf_counter() - t_stage
-        groups = [_encode_group(g) for g in self.inner.param_groups]
+        groups = encode_groups(self.inner.param_groups)
         out = self.inner.step()
         # compress + decode + inner step, staging excluded: the tuner's estimate of one replayed step.
         apply_s = time.perf_counter() - t_apply - stage_s
         step = self._step + 1
         self._step = step
-        if record is not None:
-            assert self._checkpointer is not None
-            record.step, record.groups = step, groups
-            # Captured after the inner step: what the next forward (step + 1) starts from.
-            record.rng = rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
-            record.data = positions_of(self._tracked)
-            self._checkpointer.on_step(record, lambda: self._capture(step), apply_s=apply_s)
+        if ckpt is not None and copies is not None:
+            record = self._stager.finish_step(copies, step, groups)
+            snapshot, block_s = None, 0.0
+            if ckpt.needs_capture(step):
+                t_snap = time.perf_counter()
+                snapshot = self._stager.snapshot(step)
+                block_s = time.perf_counter() - t_snap
+            ckpt.on_step(record, snapshot=snapshot, snapshot_block_s=block_s, apply_s=apply_s)
             self._report_backpressure(step)
         return out
 
     def _report_backpressure(self, step: int) -> None:
         """Warn when training has waited for the writer (the disk is slower than the log grows), at most once
-        per BACKPRESSURE_REPORT_S of added waiting."""
+        per ``log.backpressure_warn_s`` of added waiting."""
         assert self._checkpointer is not None
-        st = self._checkpointer.stats
-        if st.blocked_s - self._blocked_reported < BACKPRESSURE_REPORT_S:
+        st = self._checkpointer.writer_stats
+        if st.blocked_s - self._blocked_reported < self.config.log.backpressure_warn_s:
             return
         self._blocked_reported = st.blocked_s
         mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
         log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
                     "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
                     "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
-
-    def _stage_record(self, grads: dict[str, dict[str, torch.Tensor]]) -> StepRecord:
-        """The step's payloads and changed buffers as owned host tensors (on a GPU: copies in flight)."""
-        captured = self._layerwise.take() if self._layerwise is not None else {}
-        names: list[tuple[str, str]] = []
-        tensors: list[torch.Tensor] = []
-        live: list[bool] = []
-        staged: dict[str, dict[str, torch.Tensor]] = {n: {} for n in grads}
-        for n, payload in grads.items():
-            grad = self._spec.params[n].grad
-            for f, t in payload.items():
-                hit = captured.get(n)
-                if hit is not None and hit[0] is t:
-                    staged[n][f] = hit[1]  # copied by the hook during backward, unchanged since
-                    continue
-                names.append((n, f))
-                tensors.append(t)
-                # A payload sharing memory with .grad (compressor none, PowerSGD's 1-D tensors) is live: the user
-                # may zero that gradient in place (zero_grad(set_to_none=False)) before the writer reads it.
-                live.append(grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
-        buffers = self._changed_buffers() if self._leader else {}
-        for n, t in buffers.items():
-            names.append(("", n))
-            tensors.append(t)
-            live.append(False)  # a clone kept in _buffer_last, replaced (never changed) when the buffer changes
-        hooked = self._layerwise.ready() if self._layerwise is not None else None
-        host, ready, release = self._stager.stage(tensors, live, pool=self._pool)
-        out_buffers = {}
-        for (n, f), t in zip(names, host):
-            if n:
-                staged[n][f] = t
-            else:
-                out_buffers[f] = t
-        # One side stream: a later event also covers the copies the hooks queued before it.
-        ready = ready if ready is not None else hooked
-        return StepRecord(step=0, groups=[], grads=staged, buffers=out_buffers, ready=ready, release=release)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
@@ -385,53 +356,6 @@ class LowDiffOptimizer:
             owned |= all_names - set(sizes)
         return owned
 
-    def _remember_buffers(self) -> None:
-        self._buffer_last = {s.name: s.get().detach().clone() for s in self._spec.buffers}
-
-    def _changed_buffers(self) -> dict[str, torch.Tensor]:
-        # Compared by value: kernels such as batch_norm update running stats in place without bumping the
-        # tensor's version counter, so _version would miss them.
-        changed = {}
-        for slot in self._spec.buffers:
-            t = slot.get()
-            last = self._buffer_last.get(slot.name)
-            if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
-                self._buffer_last[slot.name] = changed[slot.name] = t.detach().clone()
-        return changed
-
-    def _capture(self, step: int) -> SnapshotState:
-        """Copy the full state off the live tensors (the snapshot phase); persisting happens in background. On a
-        GPU the copies are in flight when this returns (``SnapshotState.ready``)."""
-        sd = self.inner.state_dict()
-        order = [n for n, _ in self._spec.optimized]
-        owned = self._owned
-        opt_state = {order[i]: dict(st) for i, st in sd["state"].items() if order[i] in owned}
-        groups = []
-        for names, g in zip(self._spec.manifest.param_groups, self.inner.param_groups):
-            groups.append(_encode_group(g) | {"params": names})
-        state = SnapshotState(
-            step=step,
-            params={n: p.detach() for n, p in self._spec.params.items() if n in owned},
-            buffers={s.name: s.get().detach() for s in self._spec.buffers} if self._leader else {},
-            optimizer_state=opt_state,
-            param_groups=groups,
-            compressor_name=self.compressor.name,
-            compressor_state={n: dict(st) for n, st in self.compressor.state_dict().items() if n in owned},
-            rng=rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices)),
-            extra={"data": positions_of(self._tracked)},
-        )
-        # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
-        slots: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
-        slots += [(state.buffers, n) for n in state.buffers]
-        for d in (*state.optimizer_state.values(), *state.compressor_state.values()):
-            slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
-        host, state.ready, state.release = self._stager.stage([d[k] for d, k in slots], [True] * len(slots),
-                                                              pool=self._snapshot_pool)
-        for (d, k), t in zip(slots, host):
-            d[k] = t
-        return state
-
-
 _OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
 """Wrappers with a run directory, not closed yet."""
 
@@ -460,13 +384,6 @@ def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> No
     checkpointer.close()
 
 
-def _encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        return {k: encode_value(v) for k, v in group.items() if k != "params"}
-    except TypeError as e:
-        raise UnsupportedError(f"an optimizer group hyperparameter cannot be logged: {e}") from e
-
-
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` is ``b`` or a same-shaped view of the same memory (the identity compressor's decode)."""
     return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
@@ -488,22 +405,6 @@ def _wants_layerwise(config: Config) -> bool:
     # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
     # overlapping inner.step) measured as fast or faster (docs/measurements/gpu.md).
     return config.log.capture == "layerwise"
-
-
-def _quarantine_beyond(run_dir: Path, step: int) -> None:
-    """Move files holding steps after ``step`` (damaged or unreachable) aside, so new segments never collide
-    with them. Nothing is deleted."""
-    moved = files_beyond(run_dir, step)
-    if not moved:
-        return
-    qdir = run_dir / "quarantine"
-    qdir.mkdir(exist_ok=True)
-    for p in moved:
-        target = qdir / f"{p.parent.name}-{p.name}"
-        shutil.move(str(p), target)
-        log.warning("lowdiff: moved %s to %s (beyond the resumed step %d)", p, target, step)
-    for d in (qdir, run_dir / SNAPSHOT_DIR, run_dir / LOG_DIR):
-        fsync_dir(d)
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module,

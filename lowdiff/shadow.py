@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import decode_payload
+from lowdiff.named_state import to_named
 from lowdiff.recovery.replayer import apply_step, build_optimizer
 from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.segment import StepRecord
@@ -62,7 +63,7 @@ class ShadowReplica:
             step=self.step,
             params={**{n: p.detach() for n, p in self.params.items()}, **self.others},
             buffers=dict(self.buffers),
-            optimizer_state={self._names[i]: dict(st) for i, st in state.items()},
+            optimizer_state=to_named(state, self._names),
             param_groups=self.groups,
             compressor_name="none",
             extra=dict(self.extra) | {"shadow": True},

@@ -3,7 +3,7 @@
 On the CPU a staged tensor is the tensor itself, or a clone when it aliases live state the caller may change
 later. On a GPU, each tensor is copied into pinned host memory by a non-blocking copy on a side stream; the
 training thread never waits. The batch of copies completes at a CUDA event that travels with the record or
-snapshot, and the background writer waits for it before reading (``StepRecord.wait_ready``).
+snapshot (:class:`Staged`), and the background writer waits for it before reading (``Staged.wait``).
 
 The tensors of one call are first concatenated on the device, one flat tensor per dtype (microseconds on the
 GPU), so the copy reads a private tensor and training may change live state (parameters, optimizer state, a
@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -30,12 +31,39 @@ SPARE_FRACTION = 0.5
 POOL_MAX_FREE = 64
 
 
+T = TypeVar("T")
+
+
+@dataclass
+class Staged(Generic[T]):
+    """A staged step record or snapshot: ``item`` holds host tensors the training side no longer writes to.
+
+    On a GPU their copies may still be in flight: ``ready`` is the CUDA event they complete at, and the consumer
+    calls :meth:`wait` before reading them. :meth:`release` hands pooled host buffers back for reuse once the
+    item has been persisted (or dropped); it runs at most once."""
+
+    item: T
+    ready: Any = None
+    release_fn: Callable[[], None] | None = None
+
+    def wait(self) -> T:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self.item
+
+    def release(self) -> None:
+        fn, self.release_fn = self.release_fn, None
+        if fn is not None:
+            fn()
+
+
 class HostPool:
     """Flat CPU buffers reused from step to step for the copies of live CPU tensors (compressor none's gradients).
 
     A fresh 40 MB allocation every step is a fresh mmap whose pages fault in as the copy writes them: measured
     4-10 points of step time on the 2-core machine (docs/measurements/gil.md). Buffers go back to the pool when the writer
-    has persisted the record (``StepRecord.done``); a record dropped without that just lets its buffer be
+    has persisted the record (``Staged.release``); a record dropped without that just lets its buffer be
     garbage-collected. Taken on the training thread, given back on the writer's, hence the lock."""
 
     def __init__(self) -> None:
@@ -58,8 +86,8 @@ class HostPool:
                 free.append(buf)
 
 
-class Stager:
-    """Stages tensors of one device to host memory. ``stage`` returns host tensors and a ready event."""
+class HostCopier:
+    """Copies tensors of one device to host memory. ``stage`` returns host tensors and a ready event."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         devices = {t.device for t in tensors if t.device.type == "cuda"}

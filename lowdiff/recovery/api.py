@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lowdiff.errors import CorruptFileError, StepNotAvailableError
+from lowdiff.named_state import to_indexed
 from lowdiff.recovery import procs
 from lowdiff.recovery.replayer import (
     ELEMENTWISE_OPTIMIZERS,
@@ -160,13 +161,8 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
         if canonical not in tensors:
             raise CorruptFileError(f"{chain.snapshot}: no value for {canonical!r}")
         model[key] = tensors[canonical]
-    order = manifest.optimized_params
-    index = {n: i for i, n in enumerate(order)}
-    groups = []
-    for names, hyper in zip(manifest.param_groups, r.groups):
-        groups.append({**hyper, "params": [index[n] for n in names]})
-    optimizer = {"state": {index[n]: r.optimizer_state[n] for n in order if n in r.optimizer_state},
-                 "param_groups": groups}
+    optimizer = to_indexed({n: r.optimizer_state[n] for n in manifest.optimized_params if n in r.optimizer_state},
+                           manifest.param_groups, r.groups)
     # A compacted snapshot was itself rebuilt from the log, so its compressor memory is partial too.
     exact = target == chain.snapshot_step and bool(r.snapshot_extra.get("compressor_state_exact", True))
     if exact:

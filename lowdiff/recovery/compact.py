@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.config import resolve_codec
+from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
 from lowdiff.storage.format import encode_value, list_snapshots
 from lowdiff.storage.lock import WriterLock
@@ -60,7 +61,7 @@ def snapshot_from_recovered(manifest: Manifest, rec: Recovered) -> SnapshotState
         step=rec.step,
         params={p.name: tensors[p.name] for p in manifest.params},
         buffers={b.name: tensors[b.name] for b in manifest.buffers},
-        optimizer_state={order[i]: dict(st) for i, st in rec.optimizer["state"].items()},
+        optimizer_state=to_named(rec.optimizer["state"], order),
         param_groups=groups,
         compressor_name=str(manifest.config.get("compressor", {}).get("name", "none")),
         compressor_state=rec.compressor_state,

@@ -33,6 +33,7 @@ import torch
 
 from lowdiff.compressors import decode_payload
 from lowdiff.errors import CorruptFileError, UnsupportedError
+from lowdiff.named_state import to_indexed, to_named
 from lowdiff.recovery import procs
 from lowdiff.storage.format import DTYPES, FileSet, decode_value
 from lowdiff.storage.log_reader import Segment
@@ -641,11 +642,10 @@ class _Stepper:
         self.topk_buf.clear()
         self.topk_prev.clear()
         if not self.built:
-            state = self.opt.state_dict()["state"]
-            pos = {id(p): i for i, p in enumerate(q for g in self.opt.param_groups for q in g["params"])}
-            names = {pos[id(p)]: n for n, p in self.params.items() if id(p) in pos}
-            return {names[i]: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-                    for i, st in state.items()}
+            name_of = {id(p): n for n, p in self.params.items()}
+            order = [name_of[id(q)] for g in self.opt.param_groups for q in g["params"]]
+            return {n: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                    for n, st in to_named(self.opt.state_dict()["state"], order).items()}
         out: dict[str, dict[str, Any]] = {}
         for n, cs in self.chunks.items():
             for c in cs:
@@ -709,11 +709,6 @@ def build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, t
         opt = cls([{"params": [params[n] for n in g]} for g in group_specs], **defaults)
     except (TypeError, ValueError) as e:
         raise CorruptFileError(f"cannot rebuild {manifest.optimizer_class} from the manifest's defaults: {e}") from e
-    index = {n: i for i, n in enumerate(wanted)}
-    groups_sd = []
-    for spec, g in zip(group_specs, snap.param_groups):
-        hyper = {k: v for k, v in decode_value(g, device).items() if k != "params"}
-        groups_sd.append({**hyper, "params": [index[n] for n in spec]})
-    opt.load_state_dict({"state": {index[n]: st for n, st in snap.optimizer_state.items() if n in index},
-                         "param_groups": groups_sd})
+    hyper = [decode_value(g, device) for g in snap.param_groups]
+    opt.load_state_dict(to_indexed(snap.optimizer_state, group_specs, hyper))
     return opt

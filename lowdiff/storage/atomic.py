@@ -15,8 +15,9 @@ from typing import Any
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.format import TMP_SUFFIX
 
-# Test seam for fault injection (ENOSPC, EIO, slow disks): every byte lowdiff commits goes through here.
+# The seam every committed byte and every commit goes through; set only through lowdiff.testing.
 _pwritev: Callable[[int, list[Any], int], int] = os.pwritev
+_before_commit: Callable[[Path], None] | None = None
 _IOV_MAX = 1024
 
 
@@ -52,8 +53,21 @@ def pwrite_all(fd: int, chunks: list[Any], offset: int) -> None:
                 n = 0
 
 
+def set_write_seam(pwritev: Callable[[int, list[Any], int], int] | None,
+                   before_commit: Callable[[Path], None] | None) -> tuple[Any, Any]:
+    """Install the functions writes and commits go through (None: the real ones); returns the previous pair.
+    Public use is :func:`lowdiff.testing.intercept_writes`."""
+    global _pwritev, _before_commit
+    previous = (_pwritev, _before_commit)
+    _pwritev = pwritev if pwritev is not None else os.pwritev
+    _before_commit = before_commit
+    return previous
+
+
 def commit(tmp: Path, final: Path, synced: bool = False) -> None:
     """fsync ``tmp`` (unless the caller has: ``synced``), rename it over ``final`` and fsync the directory."""
+    if _before_commit is not None:
+        _before_commit(final)
     if not synced:
         fd = os.open(tmp, os.O_RDONLY)
         try:

@@ -51,23 +51,6 @@ class StepRecord:
     """RNG state right after this step (lowdiff.rng.capture): 1-D uint8 tensors by source name."""
     data: dict[str, Any] = field(default_factory=dict)
     """Data positions after this step by tracked name (JSON, the same on every rank)."""
-    ready: Any = None
-    """On GPU: an event the copies into the (pinned) tensors above complete at (lowdiff.staging); the writer
-    waits for it before reading them. None: the tensors are ready."""
-
-    def wait_ready(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-
-    release: Any = None
-    """Hands pooled host buffers behind the tensors above back for reuse (lowdiff.staging.HostPool); called
-    once by :meth:`done` when the record has been persisted or dropped."""
-
-    def done(self) -> None:
-        release, self.release = self.release, None
-        if release is not None:
-            release()
 
     @property
     def payload_nbytes(self) -> int:

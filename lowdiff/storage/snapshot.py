@@ -46,22 +46,6 @@ class SnapshotState:
     """JSON: e.g. "data" (data positions by tracked name), "compacted"."""
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
-    ready: Any = None
-    """As StepRecord.ready: the device-to-host copies of a GPU snapshot complete at this event."""
-
-    def wait_ready(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-
-    release: Any = None
-    """As StepRecord.release: hands pooled host buffers behind the tensors above back for the next snapshot;
-    called once by :meth:`done` when the writer has persisted (or failed to persist) this state."""
-
-    def done(self) -> None:
-        release, self.release = self.release, None
-        if release is not None:
-            release()
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import lowdiff
-import lowdiff.storage.log_writer as log_writer
+from lowdiff.testing import intercept_writes
 
 
 def make_model() -> torch.nn.Module:
@@ -34,14 +34,6 @@ def make_model() -> torch.nn.Module:
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 1000 + rank)
     return torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
-
-
-def _slowed(write, seconds: float):  # type: ignore[no-untyped-def]
-    def slow(*a, **k):  # type: ignore[no-untyped-def]
-        time.sleep(seconds)
-        return write(*a, **k)
-
-    return slow
 
 
 def main() -> None:
@@ -74,8 +66,8 @@ def main() -> None:
                     "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
     if args.probe:
         cfg["tuner"] = {"mtbf_hours": 0.001, "max_overhead": 0.02}
-        for name in ("write_segment", "write_snapshot"):  # a disk with 5 ms more per committed file
-            setattr(log_writer, name, _slowed(getattr(log_writer, name), 0.005))
+        # a disk with 5 ms more per committed file (left in force until the worker exits)
+        intercept_writes(before_commit=lambda path: time.sleep(0.005)).__enter__()
     opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume() if args.resume else 0
     refs = []
@@ -95,8 +87,8 @@ def main() -> None:
         if rank == 0 and (not args.auto or args.probe or step > args.steps - 3):
             refs.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict())))
         if args.auto:
-            ck = opt._checkpointer
-            sched.append((step, ck.every_steps, ck.batch_steps, ck._last_snapshot_step))
+            st = opt.stats
+            sched.append((step, st.every_steps, st.batch_steps, st.last_snapshot_step))
     opt.close()
     if args.auto:
         torch.save(sched, f"{args.ref_out}.rank{rank}.sched")

@@ -40,7 +40,7 @@ def test_capture_plain_backward_is_exact(tmp_path: Path, device: str, capture: s
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="none", capture=capture, device=device,
                  batch_steps=2, every_steps=4)
     t = train_run(s, tmp_path / "run", 9, close=False)
-    lw = t.opt._layerwise
+    lw = t.opt.stats.layerwise
     if capture == "layerwise":
         assert lw is not None
         n_grads = sum(1 for p in t.model.parameters() if p.requires_grad)
@@ -56,7 +56,7 @@ def test_partial_bucket_is_left_to_step(tmp_path: Path, monkeypatch: pytest.Monk
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="none", capture="layerwise", batch_steps=2,
                  every_steps=4)
     t = train_run(s, tmp_path / "run", 6, close=False)
-    lw = t.opt._layerwise
+    lw = t.opt.stats.layerwise
     assert lw is not None and lw.active and lw.hits == 0 and lw.misses == 0
     t.opt.close()
     _recover_every_step(tmp_path / "run", t.refs, 6, "cpu")
@@ -67,7 +67,7 @@ def test_capture_with_clipping_recopies_changed_gradients(tmp_path: Path, device
     s = Scenario(model="mlp_bn", optimizer="adam", compressor="none", capture="layerwise", clip=True,
                  device=device, batch_steps=3, every_steps=5)
     t = train_run(s, tmp_path / "run", 8, close=False)
-    lw = t.opt._layerwise
+    lw = t.opt.stats.layerwise
     assert lw is not None and lw.misses > 0  # clipping rescaled gradients after their hooks ran
     assert not lw.active  # ... every step, so the hooks were removed as useless
     t.opt.close()
@@ -79,7 +79,7 @@ def test_capture_with_gradient_accumulation_logs_the_stepped_gradient(tmp_path: 
     s = Scenario(model="tied", optimizer="sgd", compressor="none", capture="layerwise", accumulate=3,
                  device=device, batch_steps=2, every_steps=3)
     t = train_run(s, tmp_path / "run", 7, close=False)
-    lw = t.opt._layerwise
+    lw = t.opt.stats.layerwise
     assert lw is not None and lw.hits > 0  # the last micro-batch's hook saw the final gradient
     t.opt.close()
     _recover_every_step(tmp_path / "run", t.refs, 7, device)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lowdiff
+from lowdiff.testing import intercept_writes
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, lowdiff
@@ -67,9 +68,8 @@ def test_collected_wrapper_flushes_and_unlocks(tmp_path: Path) -> None:
 
 
 def test_collection_on_the_writer_thread_closes_from_another_thread(tmp_path: Path) -> None:
-    """A garbage collection can run on any thread; on the writer's, closing there would wait for itself."""
-    from lowdiff.optimizer import _release
-
+    """A garbage collection can run on any thread; on the writer's, closing there would wait for itself. The
+    close is made on the writer thread itself, from inside one of its commits (lowdiff.testing's seam)."""
     model = _model()
     opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
                        {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk", "ratio": 0.25},
@@ -78,13 +78,20 @@ def test_collection_on_the_writer_thread_closes_from_another_thread(tmp_path: Pa
         model(torch.randn(8, 16)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    ck = opt._checkpointer
-    ck.on_writer_thread = lambda: True  # as if called from the writer thread
-    _release(ck, None)  # returns at once
-    closers = [t for t in threading.enumerate() if t.name == "lowdiff-close"]
+    on_thread: list[str] = []
+    closers: list[threading.Thread] = []
+
+    def close_on_the_writer_thread(path: Path) -> None:
+        if not on_thread:
+            on_thread.append(threading.current_thread().name)
+            opt.close()  # must return at once: the writer thread cannot wait for itself
+            # The close goes on in a thread of its own, which waits for this commit to finish.
+            closers.extend(t for t in threading.enumerate() if t.name == "lowdiff-close")
+
+    with intercept_writes(before_commit=close_on_the_writer_thread):
+        opt.flush()
     for t in closers:
         t.join(timeout=60)
+    assert on_thread == ["lowdiff-writer"]
     assert closers and not any(t.is_alive() for t in closers)
     assert lowdiff.recover(tmp_path / "run").step == 3
-    opt._release.detach()
-    opt._closed = True

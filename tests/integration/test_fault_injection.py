@@ -1,4 +1,4 @@
-"""Write failures injected at the storage seam (lowdiff.storage.atomic._pwritev): the error surfaces in the
+"""Write failures injected at the storage seam (lowdiff.testing.intercept_writes): the error surfaces in the
 training thread as CheckpointWriteError naming the file, nothing half-written is committed, and what is
 committed still recovers exactly."""
 
@@ -25,20 +25,35 @@ from lowdiff_harness import (
 )
 
 import lowdiff
-from lowdiff.storage import atomic
+from lowdiff.testing import fd_path, intercept_writes, real_pwritev
 
 SCENARIO = Scenario(model="mlp_bn", optimizer="adamw", compressor="topk", ratio=0.25, batch_steps=4,
                     every_steps=10, codec="lz4", scheduler=True)
-# The seam every committed byte goes through (named _pwrite before gathered writes, _pwritev since).
-SEAM = "_pwritev" if hasattr(atomic, "_pwritev") else "_pwrite"
-REAL_PWRITE = getattr(atomic, SEAM)
+REAL_PWRITE = real_pwritev
+
+
+class _Disk:
+    """What every committed byte goes through in these tests: ``pwritev`` is swapped per test phase."""
+
+    def __init__(self) -> None:
+        self.pwritev = REAL_PWRITE
+
+    def __call__(self, fd: int, buffers, offset: int) -> int:  # type: ignore[no-untyped-def]
+        return self.pwritev(fd, buffers, offset)
+
+
+@pytest.fixture
+def disk():  # type: ignore[no-untyped-def]
+    d = _Disk()
+    with intercept_writes(pwritev=d):
+        yield d
 
 
 def _failing(err: int, only: str | None = None):
     """A _pwrite that fails with ``err`` (for files whose path contains ``only``, or all files)."""
 
     def pwrite(fd: int, buffers, offset: int) -> int:
-        if only is None or only in os.readlink(f"/proc/self/fd/{fd}"):
+        if only is None or only in fd_path(fd):
             raise OSError(err, os.strerror(err))
         return REAL_PWRITE(fd, buffers, offset)
 
@@ -66,12 +81,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("surface", ["flush", "close", "step"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
 def test_failed_segment_write_is_reported_and_commits_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference, surface: str, err: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk, reference, surface: str, err: int) -> None:
     run_dir = tmp_path / "run"
     t = start(SCENARIO, run_dir)
     t.train(1, 4)
     assert t.opt.flush() == 4
-    monkeypatch.setattr(atomic, SEAM, _failing(err))
+    disk.pwritev = _failing(err)
     t.train(5, 8)  # a full batch: the background writer tries steps-5-8 and fails
     segment = run_dir / "log" / "steps-0000000005-0000000008.h5"
     with pytest.raises(lowdiff.CheckpointWriteError) as e:
@@ -84,7 +99,7 @@ def test_failed_segment_write_is_reported_and_commits_nothing(
     assert e.value.errno == err
     assert str(segment) in str(e.value)
     assert isinstance(e.value, OSError)
-    monkeypatch.setattr(atomic, SEAM, REAL_PWRITE)
+    disk.pwritev = REAL_PWRITE
     t.opt.close()
     _assert_nothing_half_written(run_dir)
     assert not segment.exists()
@@ -100,18 +115,18 @@ def test_failed_segment_write_is_reported_and_commits_nothing(
 
 
 def test_after_a_failure_the_log_resumes_at_the_next_snapshot(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk, reference) -> None:
     """The steps whose segment failed leave a hole; the next snapshot restarts checkpointing, and every state
     that is recoverable is exact."""
     run_dir = tmp_path / "run"
     t = start(SCENARIO, run_dir)
     t.train(1, 4)
     t.opt.flush()
-    monkeypatch.setattr(atomic, SEAM, _failing(errno.ENOSPC))
+    disk.pwritev = _failing(errno.ENOSPC)
     t.train(5, 8)
     with pytest.raises(lowdiff.CheckpointWriteError):
         t.opt.flush()
-    monkeypatch.setattr(atomic, SEAM, REAL_PWRITE)
+    disk.pwritev = REAL_PWRITE
     t.train(9, 16)  # snapshot at 10 commits; 11-14 is a segment; 15-16 flushed by close
     t.opt.close()
     _assert_nothing_half_written(run_dir)
@@ -125,16 +140,16 @@ def test_after_a_failure_the_log_resumes_at_the_next_snapshot(
         assert_state_equal(*reference[k], rec)
 
 
-def test_failed_snapshot_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference) -> None:
+def test_failed_snapshot_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk, reference) -> None:
     run_dir = tmp_path / "run"
     scenario = Scenario(**{**SCENARIO.to_dict(), "every_steps": 6})
     t = start(scenario, run_dir)
-    monkeypatch.setattr(atomic, SEAM, _failing(errno.ENOSPC, only="/snapshots/"))
+    disk.pwritev = _failing(errno.ENOSPC, only="/snapshots/")
     t.train(1, 6)
     snapshot = run_dir / "snapshots" / "step-0000000006.h5"
     with pytest.raises(lowdiff.CheckpointWriteError, match=str(snapshot)):
         t.opt.flush()
-    monkeypatch.setattr(atomic, SEAM, REAL_PWRITE)
+    disk.pwritev = REAL_PWRITE
     t.opt.close()
     _assert_nothing_half_written(run_dir)
     assert not snapshot.exists()
@@ -143,9 +158,9 @@ def test_failed_snapshot_write_is_reported(tmp_path: Path, monkeypatch: pytest.M
     assert_state_equal(*reference[rec.step], rec)
 
 
-def test_failed_step0_snapshot_at_wrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_step0_snapshot_at_wrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(atomic, SEAM, _failing(errno.ENOSPC))
+    disk.pwritev = _failing(errno.ENOSPC)
     with pytest.raises(lowdiff.CheckpointWriteError) as e:
         start(SCENARIO, run_dir, resume=False)
     assert str(run_dir / "snapshots" / "step-0000000000.h5") in str(e.value)
@@ -156,14 +171,14 @@ def test_failed_step0_snapshot_at_wrap(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_failed_manifest_write_at_wrap_is_a_checkpoint_write_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(atomic, SEAM, _failing(errno.ENOSPC, only="manifest.json"))
+    disk.pwritev = _failing(errno.ENOSPC, only="manifest.json")
     with pytest.raises(lowdiff.CheckpointWriteError, match="manifest.json"):
         start(SCENARIO, run_dir, resume=False)
 
 
-def test_step_that_raises_a_write_error_was_not_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_that_raises_a_write_error_was_not_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     t = start(Scenario(**{**SCENARIO.to_dict(), "scheduler": False}), tmp_path / "run")
     t.train(1, 4)
     t.opt.flush()
@@ -173,16 +188,15 @@ def test_step_that_raises_a_write_error_was_not_applied(tmp_path: Path, monkeypa
         release.wait(60)  # the writer thread holds here until the training thread is inside inner.step()
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(atomic, SEAM, blocked_then_failing)
+    disk.pwritev = blocked_then_failing
     t.train(5, 8)  # the batch 5-8 is handed to the writer, which now blocks in the write
-    writer = t.opt._checkpointer._writer
     inner_step = t.inner.step
 
     def inner_step_while_the_writer_fails(*args, **kwargs):
         out = inner_step(*args, **kwargs)
         release.set()
         deadline = time.monotonic() + 30
-        while writer._error is None and time.monotonic() < deadline:
+        while t.opt.stats.write_error is None and time.monotonic() < deadline:
             time.sleep(0.005)
         return out
 
@@ -197,12 +211,12 @@ def test_step_that_raises_a_write_error_was_not_applied(tmp_path: Path, monkeypa
         t.step(10)
     applied = t.opt.step_count != 9 or any(
         not torch.equal(params_before[n], p) for n, p in t.model.named_parameters())
-    monkeypatch.setattr(atomic, SEAM, REAL_PWRITE)
+    disk.pwritev = REAL_PWRITE
     t.opt.close()
     assert not applied, "step() raised CheckpointWriteError after applying the step"
 
 
-def test_on_write_error_warn_keeps_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference,
+def test_on_write_error_warn_keeps_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk, reference,
                                             caplog: pytest.LogCaptureFixture) -> None:
     model = make_model(SCENARIO.model, SCENARIO.seed)
     inner = make_optimizer(SCENARIO.optimizer, model, SCENARIO.model, SCENARIO.groups)
@@ -212,10 +226,10 @@ def test_on_write_error_warn_keeps_training(tmp_path: Path, monkeypatch: pytest.
     t.record(t.opt.resume())
     t.train(1, 4)
     t.opt.flush()
-    monkeypatch.setattr(atomic, SEAM, _failing(errno.ENOSPC))
+    disk.pwritev = _failing(errno.ENOSPC)
     t.train(5, 8)
     assert t.opt.flush() == 4  # no raise: a warning, and the durable step stays where it was
-    monkeypatch.setattr(atomic, SEAM, REAL_PWRITE)
+    disk.pwritev = REAL_PWRITE
     t.train(9, 12)
     t.opt.close()
     assert any("No space left" in r.getMessage() for r in caplog.records)

@@ -31,9 +31,8 @@ def _train(run_dir: Path, steps: int, shadow: bool) -> dict[int, tuple[dict, dic
         opt.zero_grad()
         sched.step()
         refs[s] = (copy.deepcopy(m.state_dict()), copy.deepcopy(inner.state_dict()))
+    assert opt.stats is not None and opt.stats.shadow == shadow
     opt.close()
-    assert opt._checkpointer is not None and opt._checkpointer._writer is not None
-    assert opt._checkpointer._writer.shadow_ok == shadow
     return refs
 
 

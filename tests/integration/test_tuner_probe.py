@@ -13,25 +13,17 @@ import pytest
 import torch
 
 import lowdiff
-import lowdiff.storage.log_writer as log_writer
-from lowdiff.profiler import PROBE_BATCH_STEPS, PROBE_STEPS
 from lowdiff.storage.format import list_segments, list_snapshots
-from lowdiff.tuner import DECISIONS_FILE, format_decisions
+from lowdiff.testing import intercept_writes
+from lowdiff.tuner import DECISIONS_FILE, PROBE_BATCH_STEPS, PROBE_STEPS, format_decisions
 
 
-def _slowed(write, seconds: float):  # type: ignore[no-untyped-def]
-    def slow(*a, **kw):  # type: ignore[no-untyped-def]
-        time.sleep(seconds)
-        return write(*a, **kw)
-
-    return slow
-
-
-def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     # A disk with 4 ms more per committed file: at a segment per step every step overlaps a write, whatever the
     # machine's own disk (tmpfs included).
-    for name in ("write_segment", "write_snapshot"):
-        monkeypatch.setattr(log_writer, name, _slowed(getattr(log_writer, name), 0.004))
+    slow_disk = intercept_writes(before_commit=lambda path: time.sleep(0.004))
+    slow_disk.__enter__()
+    request.addfinalizer(lambda: slow_disk.__exit__(None, None, None))
     run = tmp_path / "run"
     run.mkdir()
     # As if resumed from a decision that keeps the writer busy at every step (a snapshot every 4 steps, a segment
@@ -44,8 +36,6 @@ def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, monkeypatch: pyt
         "run_dir": str(run), "compressor": {"name": "topk", "ratio": 0.1},
         "snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
         "tuner": {"mtbf_hours": 0.001, "max_overhead": 0.02}})
-    ckpt = opt._checkpointer
-    assert ckpt is not None and ckpt.tuner is not None
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     refs, sched = {}, []
     for step in range(1, 401):
@@ -56,9 +46,10 @@ def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, monkeypatch: pyt
         # segment write of 8 steps touches one or two steps, leaving most of the probe's steps without a write.
         time.sleep(0.01)
         refs[step] = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()))
-        sched.append((ckpt.every_steps, ckpt.batch_steps, ckpt.tuner.probing, ckpt._last_snapshot_step))
-        tuner = ckpt.tuner
-        if tuner.settled and any(d.is_probe for d in tuner.decisions) and step >= tuner.decisions[-1].step + 8:
+        st = opt.stats
+        sched.append((st.every_steps, st.batch_steps, st.tuner_probing, st.last_snapshot_step))
+        decided = st.tuner_decisions
+        if st.tuner_settled and any(d.is_probe for d in decided) and step >= decided[-1].step + 8:
             break
     opt.close()
 

@@ -158,17 +158,17 @@ def test_reader_checks_sizes_against_the_callers_expectation(tmp_path: Path) -> 
             r.read("param/zzz", 1)
 
 
-def test_write_failure_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_failure_commits_nothing(tmp_path: Path) -> None:
     import errno
 
     import lowdiff
+    from lowdiff.testing import intercept_writes
 
     def enospc(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(atomic, "_pwritev", enospc)
     path = tmp_path / "c.h5"
-    with pytest.raises(lowdiff.CheckpointWriteError) as e:
+    with intercept_writes(pwritev=enospc), pytest.raises(lowdiff.CheckpointWriteError) as e:
         _write(path, _entries(), "none")
     assert e.value.errno == errno.ENOSPC and str(path) in str(e.value)
     assert list(tmp_path.iterdir()) == []

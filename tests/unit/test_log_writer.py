@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
+from lowdiff.staging import Staged
 from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, list_segments
-from lowdiff.storage.log_writer import BackgroundWriter
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
+from lowdiff.writer import BackgroundWriter
 
 
 class _Gate:
@@ -22,22 +24,22 @@ class _Gate:
         assert self.event.wait(30)
 
 
-def _record(step: int, ready: object = None) -> StepRecord:
-    return StepRecord(step=step, groups=[{"lr": 0.1}], grads={"w": {"g": torch.full((4,), float(step))}},
-                      ready=ready)
+def _record(step: int, ready: object = None) -> Staged[StepRecord]:
+    return Staged(StepRecord(step=step, groups=[{"lr": 0.1}], grads={"w": {"g": torch.full((4,), float(step))}}),
+                  ready)
 
 
 def test_set_batch_steps_cuts_in_order_without_waiting(tmp_path: Path) -> None:
     for d in (LOG_DIR, SNAPSHOT_DIR):
         (tmp_path / d).mkdir()
-    w = BackgroundWriter(tmp_path, batch_steps=2, codec="none", compressor="none", queue_depth=4,
-                         keep_snapshots=0, durable_step=0)
+    w = BackgroundWriter(RunDir(tmp_path), batch_steps=2, codec="none", compressor="none", queue_depth=4,
+                         retention=RetentionPolicy(), durable_step=0)
     gate = _Gate()
     w.submit_record(_record(1, gate))  # the writer stalls on this record: everything below stays queued
     for s in (2, 3):
         w.submit_record(_record(s))
     w.set_batch_steps(3)  # returns at once although nothing is written yet: the cut goes after step 3
-    assert w._queue.maxsize == 4 * 3 + 2
+    assert w.capacity == 4 * 3 + 2
     assert list_segments(tmp_path) == []
     for s in range(4, 11):
         w.submit_record(_record(s))

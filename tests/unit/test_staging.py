@@ -8,12 +8,12 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
-from lowdiff.staging import HostPool, Stager
+from lowdiff.staging import HostCopier, HostPool
 
 
 def test_cpu_stage_copies_live_tensors_and_keeps_fresh_ones() -> None:
     live, fresh = torch.arange(6.0).reshape(2, 3), torch.ones(4)
-    out, ready, release = Stager([live]).stage([live, fresh], [True, False])
+    out, ready, release = HostCopier([live]).stage([live, fresh], [True, False])
     assert ready is None and release is None
     assert out[1].data_ptr() == fresh.data_ptr()  # fresh: no copy
     assert torch.equal(out[0], live) and out[0].data_ptr() != live.data_ptr()
@@ -22,7 +22,7 @@ def test_cpu_stage_copies_live_tensors_and_keeps_fresh_ones() -> None:
 
 
 def test_pool_reuses_a_buffer_only_after_release() -> None:
-    pool, stager = HostPool(), Stager([])
+    pool, stager = HostPool(), HostCopier([])
     a, b = torch.randn(3, 4), torch.randn(5)
     out1, _, release1 = stager.stage([a, b], [True, True], pool=pool)
     assert release1 is not None and out1[0].shape == (3, 4) and out1[1].shape == (5,)
@@ -40,7 +40,7 @@ def test_pooled_records_recover_exactly(tmp_path: Path) -> None:
     # Compressor none on the CPU: every record's gradients sit in pooled buffers that are reused once written.
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="none", batch_steps=2, every_steps=5)
     t = train_run(s, tmp_path / "run", 11, close=False)
-    assert t.opt._pool.reused > 0
+    assert t.opt.stats is not None and t.opt.stats.host_buffers_reused > 0
     t.opt.close()
     for k in range(12):
         assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k))
@@ -52,7 +52,7 @@ def test_pooled_snapshots_are_each_exact(tmp_path: Path) -> None:
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="topk", ratio=0.25, batch_steps=1, every_steps=2)
     t = train_run(s, tmp_path / "run", 10, close=False)
     t.opt.close()
-    assert t.opt._snapshot_pool.reused > 0
+    assert t.opt.stats is not None and t.opt.stats.snapshot_buffers_reused > 0
     snaps = sorted((tmp_path / "run" / "snapshots").glob("step-*.h5"))
     assert len(snaps) == 6  # steps 0, 2, ..., 10
     for k in (2, 4, 6, 8, 10):

@@ -10,8 +10,20 @@ import math
 import pytest
 
 from lowdiff import Config, ConfigError
-from lowdiff.profiler import PROBE_BATCH_STEPS, PROBE_STEPS, AutoTuner, Profiler, fit_write_cost
-from lowdiff.tuner import Costs, Limits, evaluate, format_decisions, min_batch_steps, solve, young_daly_interval
+from lowdiff.tuner import (
+    PROBE_BATCH_STEPS,
+    PROBE_STEPS,
+    AutoTuner,
+    Costs,
+    Limits,
+    Profiler,
+    evaluate,
+    fit_write_cost,
+    format_decisions,
+    min_batch_steps,
+    solve,
+    young_daly_interval,
+)
 
 # Three regimes: a GPU-ish job on a fast disk, a slow network disk with a large per-write cost (B_min > 1 and
 # the snapshot burst stalls), and a CPU-bound writer that slows training (interference pushes B up).
@@ -265,7 +277,7 @@ def test_autotuner_decides_then_retunes_on_drift_both_ways(caplog: pytest.LogCap
     clock = FakeClock()
     t = _tuner_with_data(clock, 0.1)
     assert t.current() == (128, 16)  # bootstrap until measured
-    with caplog.at_level(logging.INFO, logger="lowdiff.profiler"):
+    with caplog.at_level(logging.INFO, logger="lowdiff.tuner.auto"):
         d0 = t.update(32)
     assert d0 is not None and d0.reason == "initial" and t.current() == (d0.every_steps, d0.batch_steps)
     assert "T=100 ms" in caplog.text and f"every_steps={d0.every_steps}" in caplog.text
@@ -530,16 +542,15 @@ def test_auto_end_to_end(tmp_path) -> None:
         "snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
         "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    ckpt = opt._checkpointer
-    assert ckpt is not None and ckpt.tuner is not None
     # The chosen interval depends on the measured iteration time (it differs between an idle and a loaded
     # machine): train until a snapshot has followed the first decision, within a bound.
     for step in range(1, 6001):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        decided = ckpt.tuner.decisions
-        if step >= 400 and decided and ckpt._last_snapshot_step > decided[0].step:
+        st = opt.stats
+        decided = st.tuner_decisions
+        if step >= 400 and decided and st.last_snapshot_step > decided[0].step:
             break
     opt.close()
     decisions = json.loads((run / DECISIONS_FILE).read_text())["decisions"]
@@ -565,14 +576,15 @@ def test_auto_end_to_end(tmp_path) -> None:
 
 def test_auto_refused_for_sharded_writes_without_a_process_group() -> None:
     """Several writing ranks need rank 0's decisions broadcast (tests/distributed checks that path)."""
-    from lowdiff.checkpointer import Checkpointer
     from lowdiff.errors import UnsupportedError
     from lowdiff.storage.format import Shard
+    from lowdiff.storage.run_dir import RunDir
+    from lowdiff.tuner.policy import TunedPolicy
 
     cfg = Config.from_dict({"run_dir": "r", "snapshot": {"every_steps": "auto"}})
     with pytest.raises(UnsupportedError, match="auto"):
-        Checkpointer(cfg, "topk", Shard(0, 2))
-    assert Checkpointer(cfg, "topk").tuner is not None
+        TunedPolicy(cfg, RunDir("r", Shard(0, 2)))
+    assert TunedPolicy(cfg, RunDir("r")).tuner is not None
 
 
 def test_writes_seen_together_are_split() -> None:

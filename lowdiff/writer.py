@@ -12,14 +12,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.storage.format import UNSHARDED, Shard
-from lowdiff.storage.retention import apply_retention
-from lowdiff.storage.segment import StepRecord, write_segment
-from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+from lowdiff.staging import Staged
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir
+from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.snapshot import SnapshotState
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +60,18 @@ _CLOSE = object()
 
 
 class BackgroundWriter:
-    def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 keep_snapshots: int, durable_step: int, shard: Shard = UNSHARDED, shadow: Any = None) -> None:
+    """Call order: ``submit_record`` for every step (and ``submit_snapshot`` / ``submit_shadow_snapshot`` at
+    snapshot steps, after that step's record), ``set_batch_steps`` to cut a segment, ``take_error`` before each
+    step, ``flush`` / ``close`` at the end. Items are :class:`lowdiff.staging.Staged`: the writer waits for their
+    copies, persists them through ``run_dir`` and releases them."""
+
+    def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
+                 retention: RetentionPolicy, durable_step: int, shadow: Any = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
         self.compressor = compressor
-        self.keep_snapshots = keep_snapshots
-        self.shard = shard
+        self.retention = retention
         self.shadow = shadow
         self.shadow_ok = shadow is not None
         self.stats = WriterStats()
@@ -77,7 +80,7 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._reported = False
         self._broken = False
-        self._batch: list[StepRecord] = []
+        self._batch: list[Staged[StepRecord]] = []
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth * batch_steps + 2)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="lowdiff-writer", daemon=True)
@@ -96,11 +99,21 @@ class BackgroundWriter:
             self._queue.put(item)
             self.stats.blocked_s += time.perf_counter() - t0
 
-    def submit_record(self, record: StepRecord) -> None:
+    def submit_record(self, record: Staged[StepRecord]) -> None:
         self._put(record)
 
-    def submit_snapshot(self, state: SnapshotState) -> None:
+    def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
         self._put(state)
+
+    @property
+    def capacity(self) -> int:
+        """Items the queue holds before ``submit`` blocks: ``queue_depth`` segments' worth of records + 2."""
+        return self._queue.maxsize
+
+    @property
+    def queued(self) -> int:
+        """Items waiting in the queue (records, snapshots, control items)."""
+        return self._queue.qsize()
 
     def submit_shadow_snapshot(self, step: int) -> None:
         self._put(ShadowSnapshot(step))
@@ -134,6 +147,12 @@ class BackgroundWriter:
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    @property
+    def error(self) -> BaseException | None:
+        """The background failure in force (reported or not), None while healthy."""
+        with self._lock:
+            return self._error if self._broken else None
+
     def take_error(self) -> BaseException | None:
         """The first background failure not yet reported (each is reported once)."""
         with self._lock:
@@ -152,25 +171,25 @@ class BackgroundWriter:
             if isinstance(item, _Flush):
                 self._write_batch()
                 item.done.set()
-            elif isinstance(item, StepRecord):
-                item.wait_ready()
+            elif isinstance(item, Staged) and isinstance(item.item, StepRecord):
+                item.wait()
                 if self.shadow_ok:
-                    self._apply_shadow(item)
+                    self._apply_shadow(item.item)
                 if self._broken:
-                    item.done()
+                    item.release()
                     continue
                 self._batch.append(item)
                 if len(self._batch) >= self.batch_steps:
                     self._write_batch()
-            elif isinstance(item, SnapshotState):
-                item.wait_ready()
+            elif isinstance(item, Staged):
+                item.wait()
                 self._write_snapshot(item)
             elif isinstance(item, _SetBatchSteps):
                 self._write_batch()
                 self.batch_steps = item.steps
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:
-                    self._write_snapshot(self.shadow.snapshot())
+                    self._write_snapshot(Staged(self.shadow.snapshot()))
 
     def _apply_shadow(self, record: StepRecord) -> None:
         try:
@@ -186,7 +205,7 @@ class BackgroundWriter:
         with self._lock:
             if self._error is None or self._reported:
                 self._error = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
-                    None, f"background write in {self.run_dir} failed: {e!r}")
+                    None, f"background write in {self.run_dir.path} failed: {e!r}")
                 self._reported = False
         self._broken = True
         self._batch = []
@@ -198,37 +217,37 @@ class BackgroundWriter:
         batch, self._batch = self._batch, []
         t0 = time.perf_counter()
         try:
-            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor, self.shard)
+            nbytes = self.run_dir.write_segment([r.item for r in batch], self.codec, self.compressor)
         except BaseException as e:
             self._fail(e)
             return
         finally:
             for r in batch:
-                r.done()
+                r.release()
         self.stats.write_s += time.perf_counter() - t0
         self.stats.segments += 1
         self.stats.log_steps += len(batch)
         self.stats.log_bytes += nbytes
         with self._lock:
-            self._durable_step = max(self._durable_step, batch[-1].step)
+            self._durable_step = max(self._durable_step, batch[-1].item.step)
 
-    def _write_snapshot(self, state: SnapshotState) -> None:
+    def _write_snapshot(self, staged: Staged[SnapshotState]) -> None:
+        state = staged.item
         t0 = time.perf_counter()
         try:
-            nbytes = write_snapshot(self.run_dir, state, self.codec, self.shard)
+            nbytes = self.run_dir.write_snapshot(state, self.codec)
         except BaseException as e:
             self._fail(e)
             return
         finally:
-            state.done()  # its host buffers serve the next snapshot
+            staged.release()  # its host buffers serve the next snapshot
         self.stats.write_s += time.perf_counter() - t0
         self.stats.snapshots += 1
         self.stats.snapshot_bytes += nbytes
         if self._broken:
             log.warning("lowdiff: snapshot at step %d committed; checkpointing resumes from it", state.step)
             self._broken = False
-            self._batch = [r for r in self._batch if r.step > state.step]
+            self._batch = [r for r in self._batch if r.item.step > state.step]
         with self._lock:
             self._durable_step = max(self._durable_step, state.step)
-        if self.keep_snapshots and self.shard.index == 0:
-            apply_retention(self.run_dir, self.keep_snapshots)
+        self.run_dir.apply_retention(self.retention)

@@ -1,0 +1,183 @@
+"""The stager: turns the live training state into complete, owned step records and snapshots.
+
+The role DCP's ``AsyncStager`` plays: one call produces a :class:`lowdiff.staging.Staged` item (host tensors, the
+CUDA event their copies complete at, and the release of pooled buffers) that the writer can persist while
+training goes on. A step is staged in two calls because its copies must be queued before the inner optimizer
+step (on a GPU they overlap its kernels) while its RNG state exists only after it:
+
+    copies = stager.copy_step(payloads)              # before inner.step(): device-to-host copies in flight
+    inner.step()
+    record = stager.finish_step(copies, step, groups)  # after it: a complete Staged[StepRecord]
+
+A snapshot is one call, :meth:`Stager.snapshot`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowdiff import rng as rng_state
+from lowdiff.capture import LayerwiseCapture
+from lowdiff.compressors.base import Compressor
+from lowdiff.data import positions_of
+from lowdiff.model_spec import ModelSpec
+from lowdiff.named_state import to_named
+from lowdiff.staging import HostCopier, HostPool, Staged
+from lowdiff.storage.format import encode_value
+from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.snapshot import SnapshotState
+
+
+@dataclass
+class StepCopies:
+    """A step's payloads and changed buffers on their way to host memory (not yet a record)."""
+
+    grads: dict[str, dict[str, torch.Tensor]]
+    buffers: dict[str, torch.Tensor]
+    ready: Any
+    release: Any
+
+
+class Stager:
+    """Stages the state of one model + optimizer + compressor. ``owned``: the parameters whose state this rank
+    snapshots; ``leader``: whether this rank stages the buffers; ``tracked``: the objects ``opt.track``
+    registered (their positions go with every record and snapshot)."""
+
+    def __init__(self, spec: ModelSpec, optimizer: torch.optim.Optimizer, compressor: Compressor, *,
+                 copier: HostCopier, owned: set[str], leader: bool, tracked: Mapping[str, Any],
+                 layerwise: LayerwiseCapture | None = None) -> None:
+        self.spec = spec
+        self.optimizer = optimizer
+        self.compressor = compressor
+        self.owned = owned
+        self.leader = leader
+        self.tracked = tracked
+        self.layerwise = layerwise
+        self.copier = copier
+        self._pool = HostPool()
+        # Snapshots' host copies on the CPU: reused from one snapshot to the next (a fresh 595 MB copy of a 50M
+        # model's state faulted its pages in on the training thread, ~1 s per snapshot here); held between them.
+        self._snapshot_pool = HostPool()
+        self._buffer_last: dict[str, torch.Tensor] = {}
+        # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
+        self._rng_rank = rng_state.current_rank()
+        self._cuda_devices = sorted({p.device.index or 0 for p in spec.params.values() if p.is_cuda})
+
+    @property
+    def reused(self) -> int:
+        """Step records staged into reused host buffers so far."""
+        return self._pool.reused
+
+    @property
+    def snapshots_reused(self) -> int:
+        """Snapshots staged into the host buffers of an earlier one so far."""
+        return self._snapshot_pool.reused
+
+    def remember_buffers(self) -> None:
+        """Take the buffers' values now as the baseline the next records' changed buffers are found against."""
+        self._buffer_last = {s.name: s.get().detach().clone() for s in self.spec.buffers}
+
+    def copy_step(self, grads: dict[str, dict[str, torch.Tensor]]) -> StepCopies:
+        """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers."""
+        captured = self.layerwise.take() if self.layerwise is not None else {}
+        names: list[tuple[str, str]] = []
+        tensors: list[torch.Tensor] = []
+        live: list[bool] = []
+        staged: dict[str, dict[str, torch.Tensor]] = {n: {} for n in grads}
+        for n, payload in grads.items():
+            grad = self.spec.params[n].grad
+            for f, t in payload.items():
+                hit = captured.get(n)
+                if hit is not None and hit[0] is t:
+                    staged[n][f] = hit[1]  # copied by the hook during backward, unchanged since
+                    continue
+                names.append((n, f))
+                tensors.append(t)
+                # A payload sharing memory with .grad (compressor none, PowerSGD's 1-D tensors) is live: the user
+                # may zero that gradient in place (zero_grad(set_to_none=False)) before the writer reads it.
+                live.append(grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
+        buffers = self._changed_buffers() if self.leader else {}
+        for n, t in buffers.items():
+            names.append(("", n))
+            tensors.append(t)
+            live.append(False)  # a clone kept in _buffer_last, replaced (never changed) when the buffer changes
+        hooked = self.layerwise.ready() if self.layerwise is not None else None
+        host, ready, release = self.copier.stage(tensors, live, pool=self._pool)
+        out_buffers = {}
+        for (n, f), t in zip(names, host):
+            if n:
+                staged[n][f] = t
+            else:
+                out_buffers[f] = t
+        # One side stream: a later event also covers the copies the hooks queued before it.
+        return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
+
+    def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]]) -> Staged[StepRecord]:
+        """The complete record of ``step``: call right after the inner step (the RNG state it logs is what the
+        next forward pass starts from)."""
+        record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
+                            rng=self._rng(), data=positions_of(self.tracked))
+        return Staged(record, copies.ready, copies.release)
+
+    def snapshot(self, step: int) -> Staged[SnapshotState]:
+        """Copy the full state this rank owns off the live tensors (the snapshot phase; persisting happens in the
+        background). On a GPU the copies are in flight when this returns."""
+        sd = self.optimizer.state_dict()
+        order = [n for n, _ in self.spec.optimized]
+        owned = self.owned
+        opt_state = {n: st for n, st in to_named(sd["state"], order).items() if n in owned}
+        groups = [encode_group(g) | {"params": names}
+                  for names, g in zip(self.spec.manifest.param_groups, self.optimizer.param_groups)]
+        state = SnapshotState(
+            step=step,
+            params={n: p.detach() for n, p in self.spec.params.items() if n in owned},
+            buffers={s.name: s.get().detach() for s in self.spec.buffers} if self.leader else {},
+            optimizer_state=opt_state,
+            param_groups=groups,
+            compressor_name=self.compressor.name,
+            compressor_state={n: dict(st) for n, st in self.compressor.state_dict().items() if n in owned},
+            rng=self._rng(),
+            extra={"data": positions_of(self.tracked)},
+        )
+        # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
+        slots: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
+        slots += [(state.buffers, n) for n in state.buffers]
+        for d in (*state.optimizer_state.values(), *state.compressor_state.values()):
+            slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
+        host, ready, release = self.copier.stage([d[k] for d, k in slots], [True] * len(slots),
+                                                 pool=self._snapshot_pool)
+        for (d, k), t in zip(slots, host):
+            d[k] = t
+        return Staged(state, ready, release)
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        return rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
+
+    def _changed_buffers(self) -> dict[str, torch.Tensor]:
+        # Compared by value: kernels such as batch_norm update running stats in place without bumping the
+        # tensor's version counter, so _version would miss them.
+        changed = {}
+        for slot in self.spec.buffers:
+            t = slot.get()
+            last = self._buffer_last.get(slot.name)
+            if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
+                self._buffer_last[slot.name] = changed[slot.name] = t.detach().clone()
+        return changed
+
+
+def encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer group's hyperparameters as JSON values (``params`` left out)."""
+    from lowdiff.errors import UnsupportedError
+
+    try:
+        return {k: encode_value(v) for k, v in group.items() if k != "params"}
+    except TypeError as e:
+        raise UnsupportedError(f"an optimizer group hyperparameter cannot be logged: {e}") from e
+
+
+def encode_groups(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [encode_group(g) for g in groups]

@@ -1,0 +1,153 @@
+"""The run directory while training: the one object that knows its layout and commits into it.
+
+Training code (the wrapper, the background writer, the tuner's decision record) and compaction talk to a
+:class:`RunDir`; nothing else composes file names. Its life cycle, in call order (the role DCP's
+``StorageWriter`` and orbax's ``TemporaryPath`` play):
+
+1. :meth:`RunDir.open` (one rank: the lock stands for the whole job): create the layout, take the writer lock,
+   remove ``*.tmp`` files an earlier crash left.
+2. A new run: :meth:`write_snapshot` of step 0 (every rank its shard), then :meth:`commit_manifest` (one
+   rank): the manifest commits the run. An existing run: :meth:`read_manifest`, and after recovery
+   :meth:`quarantine_beyond` the resumed step (one rank).
+3. While training (the writer thread): :meth:`write_segment` and :meth:`write_snapshot`, each an atomic commit
+   (``*.tmp``, fsync, rename, directory fsync); :meth:`apply_retention` after a snapshot (one rank);
+   :meth:`record_decisions` for the tuner.
+4. :meth:`release`: the lock goes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowdiff.errors import CheckpointWriteError
+from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
+from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond
+from lowdiff.storage.lock import WriterLock
+from lowdiff.storage.manifest import Manifest, check_compatible, read_manifest, write_manifest
+from lowdiff.storage.retention import apply_retention
+from lowdiff.storage.segment import StepRecord, write_segment
+from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+
+log = logging.getLogger(__name__)
+
+DECISIONS_FILE = "tuner.json"
+"""Run-directory file holding every tuner decision of the run (a JSON object with a ``decisions`` list)."""
+QUARANTINE_DIR = "quarantine"
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """What to keep: the newest ``keep_snapshots`` snapshots and the log segments they need (0: everything)."""
+
+    keep_snapshots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.keep_snapshots < 0:
+            raise ValueError(f"keep_snapshots must be >= 0, got {self.keep_snapshots}")
+
+
+class RunDir:
+    """``path`` as this rank's writer sees it; ``shard``: which share of each snapshot and segment it writes."""
+
+    def __init__(self, path: str | Path, shard: Shard = UNSHARDED) -> None:
+        self.path = Path(path)
+        self.shard = shard
+        self._lock: WriterLock | None = None
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r}, shard={self.shard.index}/{self.shard.count})"
+
+    # -- opening -----------------------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Create the layout, take the writer lock and remove stale ``*.tmp`` files (one rank per job)."""
+        try:
+            for d in (self.path, self.path / SNAPSHOT_DIR, self.path / LOG_DIR):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointWriteError(e.errno, f"cannot create the run directory {self.path}: {e.strerror or e}",
+                                       str(self.path)) from e
+        self._lock = WriterLock(self.path)
+        removed = clean_stale_tmp(self.path)
+        if removed:
+            log.info("lowdiff: removed %d uncommitted file(s) left by an earlier crash", len(removed))
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def has_run(self) -> bool:
+        """Whether a run has been committed here (its manifest exists)."""
+        return (self.path / MANIFEST).exists()
+
+    def read_manifest(self) -> Manifest:
+        return read_manifest(self.path)
+
+    def check_compatible(self, current: Manifest) -> None:
+        """The model and optimizer being wrapped must be the ones this run was written for."""
+        check_compatible(self.read_manifest(), current, self.path)
+
+    def commit_manifest(self, manifest: Manifest) -> None:
+        """Commit the run: written last, after the step-0 snapshot, by one rank."""
+        write_manifest(self.path, manifest)
+
+    # -- committing ----------------------------------------------------------------------------------------------
+
+    def write_snapshot(self, state: SnapshotState, codec: str) -> int:
+        """Commit this rank's share of the snapshot at ``state.step``; returns the bytes written."""
+        return write_snapshot(self.path, state, codec, self.shard)
+
+    def write_segment(self, records: Sequence[StepRecord], codec: str, compressor: str) -> int:
+        """Commit this rank's share of the segment holding ``records`` (consecutive steps); returns bytes."""
+        return write_segment(self.path, list(records), codec, compressor, self.shard)
+
+    def apply_retention(self, policy: RetentionPolicy) -> list[Path]:
+        """Delete what ``policy`` does not keep (one rank: the files of every shard go together)."""
+        if not policy.keep_snapshots or self.shard.index != 0:
+            return []
+        return apply_retention(self.path, policy.keep_snapshots)
+
+    def quarantine_beyond(self, step: int) -> list[Path]:
+        """Move files holding steps after ``step`` (damaged or unreachable) into ``quarantine/``, so new segments
+        never collide with them. Nothing is deleted. Returns the new paths."""
+        moved = files_beyond(self.path, step)
+        if not moved:
+            return []
+        qdir = self.path / QUARANTINE_DIR
+        qdir.mkdir(exist_ok=True)
+        out = []
+        for p in moved:
+            target = qdir / f"{p.parent.name}-{p.name}"
+            shutil.move(str(p), target)
+            out.append(target)
+            log.warning("lowdiff: moved %s to %s (beyond the resumed step %d)", p, target, step)
+        for d in (qdir, self.path / SNAPSHOT_DIR, self.path / LOG_DIR):
+            fsync_dir(d)
+        return out
+
+    # -- the tuner's record --------------------------------------------------------------------------------------
+
+    def read_decisions(self) -> list[dict[str, Any]]:
+        """The tuner decisions an earlier process recorded ([] when none, or unreadable: said in the log)."""
+        path = self.path / DECISIONS_FILE
+        if not path.is_file():
+            return []
+        try:
+            return list(json.loads(path.read_text())["decisions"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("lowdiff: ignoring unreadable %s (%s); the tuner starts from scratch", path, e)
+            return []
+
+    def record_decisions(self, decisions: list[dict[str, Any]]) -> None:
+        path = self.path / DECISIONS_FILE
+        try:
+            write_json_atomic(path, {"decisions": decisions})
+        except OSError as e:
+            log.warning("lowdiff: could not record the tuner's decision in %s: %s", path, e)
