@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
                 opt.zero_grad(set_to_none=True)
                 times.append(time.perf_counter() - t0)
             opt.close()
-            stats = opt._checkpointer.stats if opt._checkpointer else None
+            stats = opt.stats
             out["rounds"].append({"mode": mode, "step_s": statistics.median(times[args.warmup:]),
                                   "log_bytes": stats.log_bytes if stats else 0,
                                   "steps": args.steps, "params": model.num_params()})

@@ -82,7 +82,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lowdiff.storage.log_writer as log_writer_mod  # noqa: E402
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     MODEL_SIZES,
@@ -108,6 +107,7 @@ import lowdiff  # noqa: E402
 from lowdiff.compressors.powersgd import factor_shapes  # noqa: E402
 from lowdiff.compressors.topk import k_for  # noqa: E402
 from lowdiff.config import resolve_codec  # noqa: E402
+from lowdiff.storage.run_dir import RunDir  # noqa: E402
 from lowdiff.storage.segment import write_segment  # noqa: E402
 
 TOPK_RATIO = 0.01
@@ -155,11 +155,14 @@ _KEEP_RECORDS = 0
 _NO_KEEP: set[str] = set()  # run dirs whose records the bandwidth test does not need (the LowDiff+ variants)
 
 
-def _timed_write_segment(run_dir: Path, records: list[Any], *args: Any, **kwargs: Any) -> int:
+_REAL_RUN_DIR_WRITE_SEGMENT = RunDir.write_segment
+
+
+def _timed_write_segment(run_dir: RunDir, records: list[Any], *args: Any, **kwargs: Any) -> int:
     t0 = time.perf_counter()
-    n = write_segment(run_dir, records, *args, **kwargs)
+    n = _REAL_RUN_DIR_WRITE_SEGMENT(run_dir, records, *args, **kwargs)
     dt = time.perf_counter() - t0
-    key = str(run_dir)
+    key = str(run_dir.path)
     _SEGMENT_LOG.setdefault(key, []).append((n, dt))
     if _KEEP_RECORDS and key not in _NO_KEEP:
         kept = _LAST_RECORDS.setdefault(key, [])
@@ -168,7 +171,7 @@ def _timed_write_segment(run_dir: Path, records: list[Any], *args: Any, **kwargs
     return n
 
 
-log_writer_mod.write_segment = _timed_write_segment  # type: ignore[assignment]
+RunDir.write_segment = _timed_write_segment  # type: ignore[method-assign]
 
 
 # -- modes ---------------------------------------------------------------------------------------------------------
@@ -278,7 +281,7 @@ class LowDiffMode(Mode):
         return time.perf_counter() - t0
 
     def stats(self) -> Any:
-        return self.opt._checkpointer.stats if self.opt._checkpointer else None
+        return self.opt._checkpointer.writer_stats if self.opt._checkpointer else None
 
     def bytes_written(self) -> int:
         st = self.stats()
@@ -328,14 +331,14 @@ class LowDiffPlusMode(LowDiffMode):
     def setup(self, ctx: Ctx) -> None:
         super().setup(ctx)
         _NO_KEEP.add(str(self.run_dir))  # same records as lowdiff-C: no second bandwidth test
-        lw = self.opt._layerwise
+        lw = self.opt._stager.layerwise
         if lw is not None:
             # The parameters LayerwiseCapture hooks (lowdiff/optimizer.py), to hook them again after a pause.
             self._hooked = [(n, p) for n, p in self.opt._spec.optimized if n in self.opt._owned_log]
             self._hooks(False)
 
     def _hooks(self, on: bool) -> None:
-        lw = self.opt._layerwise
+        lw = self.opt._stager.layerwise
         if lw is None:
             return
         if on and self._suspended:
@@ -352,7 +355,7 @@ class LowDiffPlusMode(LowDiffMode):
 
     def start_timed(self) -> None:
         super().start_timed()
-        lw = self.opt._layerwise
+        lw = self.opt._stager.layerwise
         if lw is not None:
             self._captures0 = (lw.hits, lw.misses)
 
@@ -362,7 +365,7 @@ class LowDiffPlusMode(LowDiffMode):
     def step(self, batch: Any) -> bool:
         self._hooks(True)  # a no-op after begin_window (the memory probe calls step() alone)
         event = super().step(batch)
-        lw = self.opt._layerwise
+        lw = self.opt._stager.layerwise
         if lw is not None and not lw.active and not self._suspended and self.hooks_removed_by_lowdiff_at is None:
             self.hooks_removed_by_lowdiff_at = self.opt.step_count
         return event
@@ -380,7 +383,7 @@ class LowDiffPlusMode(LowDiffMode):
         if self.variant == "shadow":
             # False when the replica failed and snapshots fell back to the training thread (logged as an error).
             out["shadow_in_force"] = bool(writer is not None and writer.shadow_ok)
-        lw = self.opt._layerwise
+        lw = self.opt._stager.layerwise
         if lw is not None:
             # Gradients of the timed steps taken from the hooks' copies (hits) or captured but changed after
             # backward, so copied again in step() (misses); the last partial bucket is always copied in step().
@@ -424,7 +427,7 @@ class AutoLowDiffMode(LowDiffMode):
 
     def step(self, batch: Any) -> bool:
         train_step(self.ctx.model, self.opt, batch)
-        event = self.ckpt._last_snapshot_step == self.opt.step_count
+        event = self.ckpt.policy.last_snapshot_step == self.opt.step_count
         self.snapshots_submitted += event
         return event
 
@@ -432,7 +435,7 @@ class AutoLowDiffMode(LowDiffMode):
         """Until the tuner has decided and a snapshot has followed its latest decision (its B then in force), then
         to alignment."""
         t0 = time.perf_counter()
-        ck, tuner = self.ckpt, self.ckpt.tuner
+        ck, tuner = self.ckpt, self.ckpt.policy.tuner
         while True:
             seen = len(tuner.decisions)
             while self.warmup_steps < self.max_warmup_steps:
@@ -441,16 +444,16 @@ class AutoLowDiffMode(LowDiffMode):
                 # The LATEST decision followed by a snapshot: a re-decision during warm-up must not leave the
                 # windows aligned to an interval no longer in force. Settled: no probe in force and no decision
                 # still waiting for alpha (its re-decision would fall inside the timed rounds).
-                if tuner.settled and tuner.decisions and ck._last_snapshot_step > tuner.decisions[-1].step:
+                if tuner.settled and tuner.decisions and ck.policy.last_snapshot_step > tuner.decisions[-1].step:
                     break
-            f, b = ck.every_steps, ck.batch_steps
+            f, b = ck.policy.every_steps, ck.policy.batch_steps
             self.k = f
             # The window: a multiple of B dividing F, closest to the target (snapshot steps then start windows);
             # of two as close, the longer (F = 19, B = 1: 19-step windows, not 1-step ones).
             cands = [w for w in range(b, f + 1, b) if f % w == 0]
             self.window = min(cands, key=lambda w: (abs(w - self.target_window), -w))
             # Windows start at steps = last snapshot (mod W): run to the step before the next such start.
-            while (self.opt.step_count + 1 - ck._last_snapshot_step) % self.window:
+            while (self.opt.step_count + 1 - ck.policy.last_snapshot_step) % self.window:
                 self.step(next_batch())
                 self.warmup_steps += 1
             # Decided again while aligning: align to the new decision (within the warm-up budget).
@@ -469,15 +472,15 @@ class AutoLowDiffMode(LowDiffMode):
     def finish(self) -> None:
         # The interval the stratification weighs with: the tuner's choice in force at the end (it may have
         # re-decided during the rounds; every decision is in info()).
-        self.k = self.ckpt.every_steps
+        self.k = self.ckpt.policy.every_steps
 
     def end_window(self) -> float:
         """Wait for the writer to commit every complete segment and every snapshot submitted (the open segment
         stays open: a flush would cut it)."""
         t0 = time.perf_counter()
         ck, st = self.ckpt, self.stats()
-        b, cur = ck._writer_batch, self.opt.step_count
-        target = ck._batch_anchor + (cur - ck._batch_anchor) // b * b
+        b, cur = ck.policy._writer_batch, self.opt.step_count
+        target = ck.policy._batch_anchor + (cur - ck.policy._batch_anchor) // b * b
         while ck.durable_step < target or st.snapshots < self.snapshots_submitted:
             if time.perf_counter() - t0 > 120:
                 self.drain_timeouts += 1
@@ -489,11 +492,11 @@ class AutoLowDiffMode(LowDiffMode):
 
     def info(self) -> dict[str, Any]:
         out = super().info()
-        tuner = self.ckpt.tuner
+        tuner = self.ckpt.policy.tuner
         out.update({
             "snapshot_every_steps": "auto", "batch_steps": "auto", "tuner_mtbf_hours": self.mtbf_hours,
             "tuner_max_overhead": self.max_overhead, "alignment": self.alignment, "warmup_steps": self.warmup_steps,
-            "in_force": {"every_steps": self.ckpt.every_steps, "batch_steps": self.ckpt.batch_steps},
+            "in_force": {"every_steps": self.ckpt.policy.every_steps, "batch_steps": self.ckpt.policy.batch_steps},
             "aligned_to": self.aligned_to,
             "drain_timeouts": self.drain_timeouts,
             "decisions": [{"step": d.step, "reason": d.reason, "every_steps": d.every_steps,
