@@ -139,14 +139,26 @@ def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], nume
 
 
 def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...],
-           check_range: bool = True) -> torch.Tensor:
-    """Dense gradient from Top-k values and flat indices (shared by training and recovery)."""
+           check_range: bool = True, *, out: torch.Tensor | None = None,
+           previous: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense gradient from Top-k values and flat indices (shared by training and recovery).
+
+    ``out``: a flat buffer of the tensor's size and the values' dtype to write into instead of a new one (the
+    replayer reuses one per parameter across steps); ``previous``: the indices last written into ``out``, so
+    only those are zeroed again (None: all of it). The result is the same tensor either way."""
     numel = math.prod(int(s) for s in shape)
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise CorruptFileError(f"top-k payload has {values.numel()} values but {indices.numel()} indices")
-    if check_range and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
-    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    if check_range and indices.numel():
+        lo, hi = torch.aminmax(indices)
+        if int(lo) < 0 or int(hi) >= numel:
+            raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
+    if out is None:
+        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    elif previous is None:
+        out.zero_()
+    else:
+        out.index_fill_(0, previous, 0)
     # Indices are unique (one selection per tensor, or coalesced across ranks), so the scatter is exact.
-    out[indices.long()] = values
-    return out.reshape(shape)
+    out.index_copy_(0, indices.long(), values)
+    return out.view(shape)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.compressors import decode_payload
+from lowdiff.compressors import decode_payload, topk
 from lowdiff.errors import CorruptFileError, UnsupportedError
 from lowdiff.named_state import to_indexed, to_named
 from lowdiff.recovery import procs
@@ -540,7 +540,7 @@ class _Stepper:
                 continue
             spec = self.manifest.param(n)
             if self.chunked and set(payload) == {"values", "indices"}:
-                g = self._decode_topk(n, payload, spec.shape, seg, sd.step)
+                g = self._dense_topk(n, payload, spec.shape, seg, sd.step)
             else:
                 g = decode_payload({k: v.to(self.device) for k, v in payload.items()}, spec.shape)
                 self.topk_buf.pop(n, None)
@@ -549,30 +549,24 @@ class _Stepper:
                                        f"parameter is {spec.dtype}")
             self._assign(n, g)
 
-    def _decode_topk(self, n: str, payload: dict[str, torch.Tensor], shape: Any, seg: Segment,
-                     step: int) -> torch.Tensor:
-        """The same dense tensor as ``topk.decode`` (zeros, then the values at their unique indices), written
-        into a buffer reused across steps: only the previous step's indices are zeroed again."""
+    def _dense_topk(self, n: str, payload: dict[str, torch.Tensor], shape: Any, seg: Segment,
+                    step: int) -> torch.Tensor:
+        """``topk.decode`` into a buffer reused across steps (only the previous step's indices are zeroed again)."""
         values, indices = payload["values"], payload["indices"]
-        numel = math.prod(int(s) for s in shape)
-        if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
-            raise CorruptFileError(f"{seg.files}: step {step}: top-k payload of {n!r} has {values.numel()} "
-                                   f"values but {indices.numel()} indices")
-        idx = indices.long()
-        if idx.numel():
-            lo, hi = torch.aminmax(idx)
-            if int(lo) < 0 or int(hi) >= numel:
-                raise CorruptFileError(f"{seg.files}: step {step}: top-k index of {n!r} out of range")
         buf = self.topk_buf.get(n)
+        previous = self.topk_prev.get(n)
         if buf is None or buf.dtype != values.dtype or buf._version != self.topk_version[n]:
-            buf = torch.zeros(numel, dtype=values.dtype)  # first use, or the optimizer wrote into the old one
+            # First use, or the optimizer wrote into the old one.
+            buf = torch.zeros(math.prod(int(s) for s in shape), dtype=values.dtype)
             self.topk_buf[n] = buf
-        else:
-            buf.index_fill_(0, self.topk_prev[n], 0)
-        buf.index_copy_(0, idx, values)  # == buf[idx] = values: the indices are unique
-        self.topk_prev[n] = idx
+            previous = torch.empty(0, dtype=torch.long)
+        try:
+            g = topk.decode(values, indices, shape, out=buf, previous=previous)
+        except CorruptFileError as e:
+            raise CorruptFileError(f"{seg.files}: step {step}: gradient of {n!r}: {e}") from e
+        self.topk_prev[n] = indices.long()
         self.topk_version[n] = buf._version
-        return buf.view(shape)
+        return g
 
     def _assign(self, n: str, g: torch.Tensor | None) -> None:
         if not self.built:
