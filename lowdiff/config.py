@@ -122,7 +122,7 @@ class LogConfig:
     """compressor none: when the gradient is copied off the device. ``layerwise``: a post-accumulate-grad hook
     copies each gradient as backward finishes it (on a GPU the copy overlaps the rest of backward); ``step``:
     all at once in step(), overlapping the inner optimizer step on a GPU; ``auto``: step, which measured as fast
-    or faster on CPU and GPU (docs/measurements/gpu.md). A gradient changed after its hook ran (clipping,
+    or faster on CPU and GPU (docs/reference/design.md). A gradient changed after its hook ran (clipping,
     accumulation) is copied again in step()."""
     backpressure_warn_s: float = 5.0
     """Warn each time training has waited this many seconds more, in all, for a full writer queue (> 0)."""

@@ -403,7 +403,7 @@ def _record_bytes_bound(optimized: Any, cc: Any) -> float | None:
 
 def _wants_layerwise(config: Config) -> bool:
     # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
-    # overlapping inner.step) measured as fast or faster (docs/measurements/gpu.md).
+    # overlapping inner.step) measured as fast or faster (docs/reference/design.md).
     return config.log.capture == "layerwise"
 
 

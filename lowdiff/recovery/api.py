@@ -138,7 +138,7 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress), 1, mode
     # Processes, not threads: threads stepping disjoint chunks were slower than one (the optimizer's per-chunk
-    # Python serializes on the GIL; docs/measurements/recovery.md). One intra-op thread each.
+    # Python serializes on the GIL; docs/reference/design.md). One intra-op thread each.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
