@@ -144,8 +144,15 @@ def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tupl
     numel = math.prod(int(s) for s in shape)
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise CorruptFileError(f"top-k payload has {values.numel()} values but {indices.numel()} indices")
-    if check_range and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
+    if check_range and indices.numel():
+        # Read from a file: in range, and strictly increasing (sorted, unique: FORMAT.md section 5). A repeated
+        # index would make the scatter below keep one of its values, which one being unspecified.
+        if int(indices.min()) < 0 or int(indices.max()) >= numel:
+            raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise CorruptFileError("top-k indices are not strictly increasing (repeated or unsorted)")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise CorruptFileError(f"top-k indices of dtype {indices.dtype}, not an integer type")
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     # Indices are unique (one selection per tensor, or coalesced across ranks), so the scatter is exact.
     out[indices.long()] = values
