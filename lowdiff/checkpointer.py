@@ -62,6 +62,8 @@ class Checkpointer:
         self._prior_decisions: list[dict[str, Any]] = []
         self._probe_applied = False
         """Whether the writer runs with a tuner probe's batch size (docs/reference/tuner-model.md, section 4)."""
+        self.run_id: str | None = None
+        """The run id every file written is stamped with (the manifest's; set when the run directory is opened)."""
 
     def open(self) -> None:
         """Create the directory layout, take the lock and remove stale ``*.tmp`` files (rank 0 only: the
@@ -102,7 +104,8 @@ class Checkpointer:
         self._writer = BackgroundWriter(self.run_dir, batch_steps=self._writer_batch, codec=codec,
                                         compressor=self.compressor_name, queue_depth=cfg.log.queue_depth,
                                         keep_snapshots=cfg.snapshot.keep, durable_step=durable_step,
-                                        shard=self.shard, shadow=shadow)
+                                        shard=self.shard, shadow=shadow, run_id=self.run_id,
+                                        compressor_params={"ratio": cfg.compressor.ratio, "rank": cfg.compressor.rank})
 
     def on_writer_thread(self) -> bool:
         """Whether the caller runs on the background writer's thread."""

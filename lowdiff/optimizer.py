@@ -29,7 +29,7 @@ from lowdiff.shadow import ShadowReplica
 from lowdiff.staging import HostPool, Stager
 from lowdiff.storage.atomic import fsync_dir
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Shard, encode_value, files_beyond
-from lowdiff.storage.manifest import check_compatible, read_manifest, write_manifest
+from lowdiff.storage.manifest import check_compatible, read_manifest, shared_run_id, write_manifest
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -162,14 +162,20 @@ class LowDiffOptimizer:
         self._coord.barrier("open run directory")
         run_dir = ckpt.run_dir
         if (run_dir / MANIFEST).exists():
-            check_compatible(read_manifest(run_dir), self._spec.manifest, run_dir)
+            recorded = read_manifest(run_dir)
+            check_compatible(recorded, self._spec.manifest, run_dir)
+            ckpt.run_id = recorded.run_id  # None for a run written before run ids: its files stay without one
             self._needs_resume = True
             return
-        # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
+        # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run. Every
+        # file names the run: rank 0 draws the id, every rank stamps it (docs/reference/FORMAT.md section 2).
+        run_id = shared_run_id(self._coord.broadcast_ints)
+        self._spec.manifest.run_id = ckpt.run_id = run_id
         self._remember_buffers()
         state0 = self._capture(0)
         state0.wait_ready()
-        write_snapshot(run_dir, state0, resolve_codec(self.config.log.codec, self.config.compressor.name), ckpt.shard)
+        write_snapshot(run_dir, state0, resolve_codec(self.config.log.codec, self.config.compressor.name), ckpt.shard,
+                       run_id=run_id)
         self._coord.barrier("snapshot 0")
         if self._leader:
             write_manifest(run_dir, self._spec.manifest)

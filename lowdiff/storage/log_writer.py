@@ -62,8 +62,11 @@ _CLOSE = object()
 
 class BackgroundWriter:
     def __init__(self, run_dir: Path, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 keep_snapshots: int, durable_step: int, shard: Shard = UNSHARDED, shadow: Any = None) -> None:
+                 keep_snapshots: int, durable_step: int, shard: Shard = UNSHARDED, shadow: Any = None,
+                 run_id: str | None = None, compressor_params: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
+        self.run_id = run_id
+        self.compressor_params = compressor_params
         self.batch_steps = batch_steps
         self.codec = codec
         self.compressor = compressor
@@ -198,7 +201,8 @@ class BackgroundWriter:
         batch, self._batch = self._batch, []
         t0 = time.perf_counter()
         try:
-            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor, self.shard)
+            nbytes = write_segment(self.run_dir, batch, self.codec, self.compressor, self.shard, run_id=self.run_id,
+                                   compressor_params=self.compressor_params)
         except BaseException as e:
             self._fail(e)
             return
@@ -215,7 +219,7 @@ class BackgroundWriter:
     def _write_snapshot(self, state: SnapshotState) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = write_snapshot(self.run_dir, state, self.codec, self.shard)
+            nbytes = write_snapshot(self.run_dir, state, self.codec, self.shard, run_id=self.run_id)
         except BaseException as e:
             self._fail(e)
             return
