@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lowdiff.errors import CorruptFileError, ForeignFileError
@@ -26,6 +27,7 @@ from lowdiff.storage.tensors import (
     MAX_RNG_SOURCES,
     RNG_SOURCE_RE,
     field_layout,
+    rng_nbytes,
     topk_bound,
 )
 from lowdiff.storage.validate import check_belongs, check_groups, check_json_object, check_shard
@@ -143,8 +145,8 @@ class SegmentReader:
             if name in self._columns:
                 raise self._fail(f"entry {name!r} is also in {self._columns[name].reader.path}", path=r.path)
             counts = d.get("counts")
-            if not isinstance(counts, list) or len(counts) != nsteps or not all(
-                    isinstance(c, int) and not isinstance(c, bool) and c >= -1 for c in counts):
+            if not isinstance(counts, list) or len(counts) != nsteps or not all(type(c) is int for c in counts) \
+                    or (counts and min(counts) < -1):
                 raise self._fail(f"invalid per-step counts (must be {nsteps} integers >= -1)", path=r.path, entry=name)
             dtype, inner = d.get("dtype"), d.get("inner_shape")
             kind, _, rest = name.partition("/")
@@ -178,13 +180,16 @@ class SegmentReader:
                 if nrng > MAX_RNG_SOURCES or not RNG_SOURCE_RE.match(rest) or dtype != "uint8" or inner != [-1]:
                     raise self._fail(f"RNG state {rest[:60]!r} is not a 1-D uint8 tensor of a known source",
                                      path=r.path)
-                row, most, exact, tail = 1, RNG_MAX_NBYTES, False, ()
+                size = rng_nbytes(rest)
+                row, most, exact, tail = 1, RNG_MAX_NBYTES if size is None else size, size is not None, ()
             else:
                 raise self._fail(f"unknown entry {name[:80]!r}", path=r.path)
-            for i, c in enumerate(counts):
-                if c >= 0 and (c > most or (exact and c != most) or c % row):
-                    raise self._fail(f"holds {c} elements, at most {most} fit (in rows of {row})",
-                                     step=self.first + i, path=r.path, entry=name)
+            if counts and (max(counts) > most or (exact and not set(counts) <= {-1, most})
+                           or (row > 1 and any(c % row for c in counts if c > 0))):
+                i, c = next((i, c) for i, c in enumerate(counts)
+                            if c >= 0 and (c > most or (exact and c != most) or c % row))
+                raise self._fail(f"holds {c} elements, at most {most} fit (in rows of {row})",
+                                 step=self.first + i, path=r.path, entry=name)
             self._columns[name] = _Column(r, DTYPES[dtype], counts, tail, fixed=kind == "buffer")
 
     def _check_fields(self) -> None:
@@ -226,7 +231,7 @@ class SegmentReader:
         total = sum(c for c in col.counts if c > 0)
         raw = col.reader.read(name, total * itemsize)
         if name.endswith("/indices") and name.startswith("grad/"):
-            self._check_indices(name, tensor_from_bytes(raw, col.dtype, (total,), where), col)
+            self._check_indices(name, raw, col)
         row = 1
         for s in col.tail:
             row *= s
@@ -242,20 +247,19 @@ class SegmentReader:
             pos += n
         return out
 
-    def _check_indices(self, name: str, flat: torch.Tensor, col: _Column) -> None:
-        """Top-k indices: in [0, numel) and strictly increasing within each step (sorted and unique, FORMAT §5)."""
+    def _check_indices(self, name: str, raw: bytes | memoryview, col: _Column) -> None:
+        """Top-k indices: in [0, numel) and strictly increasing within each step (sorted and unique, FORMAT §5).
+        One vectorized pass over the whole column (numpy: these columns are small and many)."""
         numel = self.manifest.param(name.split("/", 1)[1].rpartition("/")[0]).numel
-        if not flat.numel():
+        flat = np.frombuffer(raw, dtype="<i4")
+        if not flat.size:
             return
-        increasing = torch.ones(flat.numel(), dtype=torch.bool)
-        increasing[1:] = flat[1:] > flat[:-1]
-        pos = 0
-        for c in col.counts:
-            if c > 0:
-                increasing[pos] = True  # a step's first index follows the previous step's last
-                pos += c
-        lo, hi = torch.aminmax(flat)
-        if bool(increasing.all()) and int(lo) >= 0 and int(hi) < numel:
+        increasing = np.empty(flat.size, dtype=bool)
+        increasing[0] = True
+        np.greater(flat[1:], flat[:-1], out=increasing[1:])
+        starts = np.cumsum([c for c in col.counts if c > 0])[:-1]  # a step's first index follows another step's
+        increasing[starts] = True
+        if bool(increasing.all()) and int(flat.min()) >= 0 and int(flat.max()) < numel:
             return
         pos = 0
         for i, c in enumerate(col.counts):

@@ -33,6 +33,7 @@ from lowdiff.storage.tensors import (
     STATE_KEY_RE,
     check_compressor_tensor,
     check_state_tensor,
+    rng_nbytes,
 )
 from lowdiff.storage.validate import (
     as_int,
@@ -214,6 +215,10 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
                     or not isinstance(d.get("shape"), list) or len(d["shape"]) != 1:
                 raise CorruptFileError(f"{where}: RNG state {rest[:60]!r} is not a 1-D uint8 tensor of a known "
                                        "source")
+            size = rng_nbytes(rest)
+            if size is not None and d["shape"] != [size]:
+                raise CorruptFileError(f"{where}: RNG state {rest!r} of {str(d['shape'])[:20]} bytes; its layout has "
+                                       f"{size}")
             if with_buffers:
                 state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
         elif kind in ("optim", "compressor"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -63,6 +64,20 @@ def _matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
     if len(shape) < 2:
         return None
     return int(shape[0]), math.prod(shape[1:])
+
+
+@lru_cache(maxsize=1)
+def _rng_sizes() -> dict[str, int]:
+    from lowdiff import rng
+
+    return {rng.TORCH: int(torch.get_rng_state().numel()), rng.NUMPY: rng.NUMPY_NBYTES, rng.PYTHON: rng.PYTHON_NBYTES}
+
+
+def rng_nbytes(name: str) -> int | None:
+    """The exact size of a known RNG source's state (docs/reference/FORMAT.md §7; ``rankRRRRR/`` prefixes
+    ignored), None for a source whose size this process cannot tell (CUDA, unknown sources: not restored)."""
+    source = name.split("/", 1)[1] if name.startswith("rank") and "/" in name else name
+    return _rng_sizes().get(source)
 
 
 def topk_bound(numel: int, ratio: Any, shards: int) -> int:
