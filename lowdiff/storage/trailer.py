@@ -52,7 +52,9 @@ class Trailer(NamedTuple):
     data_len: int
 
 
-def meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int) -> int:
+def meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int, crc_fn: Any = None) -> int:
+    """CRC-32 of the HDF5 bytes outside the data blob (``crc_fn``: the CRC-32 function, default :data:`crc32`)."""
+    crc_fn = crc_fn or crc32
     crc = 0
     for start, end in ((0, data_offset if data_len else hdf5_size), (data_offset + data_len, hdf5_size)):
         pos = start
@@ -60,13 +62,9 @@ def meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int) -> int:
             chunk = os.pread(fd, min(end - pos, 1 << 20), pos)
             if not chunk:
                 raise CorruptFileError(f"file ends at {pos}, expected {end} bytes")
-            crc = crc32(chunk, crc)
+            crc = crc_fn(chunk, crc)
             pos += len(chunk)
     return crc
-
-
-def trailer_bytes(fd: int, size: int, data_offset: int, data_len: int) -> bytes:
-    return TRAILER.pack(TRAILER_MAGIC, size, data_offset, data_len, meta_crc(fd, size, data_offset, data_len))
 
 
 def check_trailer(fd: int, path: Path) -> Trailer:
