@@ -3,6 +3,8 @@ can catch either (``except FileNotFoundError`` keeps working for a missing run d
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LowDiffError(Exception):
     """Base class of every error lowdiff raises on purpose."""
@@ -21,11 +23,44 @@ class StepNotAvailableError(LowDiffError, LookupError):
 
 
 class CorruptFileError(LowDiffError, ValueError):
-    """A file in the run directory fails a checksum, is truncated, or is structurally invalid.
+    """A file in the run directory fails a checksum, is truncated, or is structurally or semantically invalid.
 
-    ``path`` names the damaged file when one file is to blame (recovery then steps around it)."""
+    ``path`` names the file when one file is to blame (recovery then steps around it), ``step`` the step (or the
+    file's first step) when the failure concerns one."""
 
-    path: object = None
+    path: Any = None
+    step: int | None = None
+
+    def __init__(self, *args: Any, path: Any = None, step: int | None = None) -> None:
+        super().__init__(*args)
+        if path is not None:
+            self.path = path
+        if step is not None:
+            self.step = step
+
+
+class ForeignFileError(CorruptFileError):
+    """An intact file that does not belong where it lies: another run's (run id), or another step's (its name)."""
+
+
+class UnsafeFileError(CorruptFileError):
+    """A name in the run directory that lowdiff will not read: not a regular file (a FIFO, a device, a directory),
+    a symbolic link, unreadable, or an HDF5 file reaching outside itself (external storage or links, virtual
+    datasets)."""
+
+
+class FileVanishedError(LowDiffError, FileNotFoundError):
+    """A file listed a moment ago is gone (retention or compaction deleted it meanwhile); readers list again."""
+
+    path: Any = None
+
+    def __init__(self, *args: Any, path: Any = None) -> None:
+        super().__init__(*args)
+        self.path = path
+
+
+class ReplayWorkerError(LowDiffError, RuntimeError):
+    """A replay worker process died before sending its result (killed, out of memory)."""
 
 
 class ModelMismatchError(LowDiffError, ValueError):

@@ -74,7 +74,8 @@ class LowDiffOptimizer:
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         if config.enabled:
-            run_dir = RunDir(config.run_dir, Shard(self._coord.rank, self._coord.world_size))
+            run_dir = RunDir(config.run_dir, Shard(self._coord.rank, self._coord.world_size),
+                             compressor_params={"ratio": cc.ratio, "rank": cc.rank})
             self._run_dir = run_dir
             try:
                 policy = make_policy(config, run_dir, self._coord,
@@ -154,7 +155,9 @@ class LowDiffOptimizer:
             run_dir.check_compatible(self._spec.manifest)
             self._needs_resume = True
             return
-        # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run.
+        # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run. Every
+        # file names the run: rank 0 draws the id, every rank stamps it (docs/reference/FORMAT.md section 2).
+        run_dir.new_run(self._spec.manifest, self._coord.broadcast_ints)
         self._stager.remember_buffers()
         state0 = self._stager.snapshot(0).wait()
         run_dir.write_snapshot(state0, resolve_codec(self.config.log.codec, self.config.compressor.name))

@@ -150,9 +150,15 @@ def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tupl
     if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
         raise CorruptFileError(f"top-k payload has {values.numel()} values but {indices.numel()} indices")
     if check_range and indices.numel():
+        # Read from a file: integer, in range, and strictly increasing (sorted, unique: FORMAT.md section 5). A
+        # repeated index would make the scatter below keep one of its values, which one being unspecified.
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise CorruptFileError(f"top-k indices of dtype {indices.dtype}, not an integer type")
         lo, hi = torch.aminmax(indices)
         if int(lo) < 0 or int(hi) >= numel:
             raise CorruptFileError(f"top-k index out of range for a tensor of {numel} elements")
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise CorruptFileError("top-k indices are not strictly increasing (repeated or unsorted)")
     if out is None:
         out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     elif previous is None:

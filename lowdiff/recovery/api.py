@@ -12,15 +12,17 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CorruptFileError, StepNotAvailableError
+from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError, StepNotAvailableError
 from lowdiff.named_state import to_indexed
 from lowdiff.recovery import procs
+from lowdiff.recovery.optimizers import check_manifest_optimizer, resolve_optimizer_class
 from lowdiff.recovery.replayer import (
     ELEMENTWISE_OPTIMIZERS,
     PartitionResult,
     PhaseTimes,
     replay_partition,
 )
+from lowdiff.storage.format import MANIFEST
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
 
@@ -86,8 +88,10 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     t_start = time.perf_counter()
     root = Path(run_dir)
     manifest = read_manifest(root)
+    check_optimizer(root, manifest, optimizer_class)
     skipped: list[str] = []
     damaged: set[Path] = set()
+    relists = 0
     while True:
         # Each damaged file found is treated as missing and the plan redone: an older snapshot can stand in
         # for a damaged one; a damaged segment moves the latest durable step back to the step before it.
@@ -101,6 +105,15 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
         chain = chains[0]
         try:
             result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress)
+        except FileVanishedError as e:
+            # Retention (a live trainer's, or compaction) deleted a file after it was listed: list again.
+            relists += 1
+            if relists > MAX_RELISTS:
+                raise StepNotAvailableError(f"{root}: files keep disappearing while recovery reads them ({e}); "
+                                            "stop the process deleting them (a trainer's snapshot.keep retention, "
+                                            "lowdiff compact) or retry") from e
+            log.info("recovery: %s; listing the run directory again", e)
+            continue
         except CorruptFileError as e:
             bad = e.path if isinstance(e.path, Path) else None
             if bad is None or bad in damaged:
@@ -109,10 +122,32 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             skipped.append(str(e))
             damaged.add(bad)
             continue
+        except LowDiffError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
+            # Every file was checked before use, so this is content the checks did not anticipate: still a
+            # LowDiffError naming what was being replayed, never a bare exception from deep inside torch.
+            raise CorruptFileError(f"{root}: replaying to step {target} from {chain.snapshot} and "
+                                   f"{len(chain.segments_to(target))} segment(s) failed ({e!r}); a file of the run is "
+                                   "invalid in a way lowdiff does not check (please report it)") from e
         report = RecoveryReport(step=target, snapshot_step=chain.snapshot_step, steps_replayed=result.steps,
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped)
         return _assemble(manifest, result, target, chain, report)
+
+
+MAX_RELISTS = 20
+"""Times recovery lists the run directory again because a listed file vanished (retention running alongside)."""
+
+
+def check_optimizer(root: Path, manifest: Manifest, optimizer_class: type | None) -> type:
+    """The run's optimizer class, resolved and checked against the manifest's defaults (a refusal names the
+    manifest: it is the file at fault, and no other file can stand in for it)."""
+    where = root / MANIFEST
+    cls = resolve_optimizer_class(manifest.optimizer_class, optimizer_class, where=str(where))
+    if optimizer_class is None:
+        check_manifest_optimizer(manifest, cls, where)
+    return cls
 
 
 def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | None, device: str,

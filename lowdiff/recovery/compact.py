@@ -42,7 +42,7 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
         if rec.step not in list_snapshots(root):
             codec = codec or resolve_codec(str(manifest.config.get("log", {}).get("codec", "auto")),
                                            str(manifest.config.get("compressor", {}).get("name", "none")))
-            write_snapshot(root, snapshot_from_recovered(manifest, rec), codec)
+            write_snapshot(root, snapshot_from_recovered(manifest, rec), codec, run_id=manifest.run_id)
             wrote = True
         removed = apply_retention(root, keep) if keep else []
         return CompactResult(step=rec.step, wrote_snapshot=wrote, removed=removed)

@@ -111,8 +111,9 @@ def collect(worker: Worker) -> Any:
     if not data:
         how = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                else f"exit status {os.WEXITSTATUS(status)}")
-        raise RuntimeError(f"replay worker process {worker.index} (pid {worker.pid}) died ({how}) before sending "
-                           "its result; out of memory? recover with workers=1 to replay in one process")
+        raise errors.ReplayWorkerError(f"replay worker process {worker.index} (pid {worker.pid}) died ({how}) before "
+                                       "sending its result; out of memory? recover with workers=1 to replay in one "
+                                       "process")
     payload = pickle.loads(data)  # written by our own child just now
     if payload[0] == "ok":
         return payload[1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib
 import inspect
 import math
 import mmap
@@ -32,9 +31,9 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import decode_payload, topk
-from lowdiff.errors import CorruptFileError, UnsupportedError
+from lowdiff.errors import CorruptFileError
 from lowdiff.named_state import to_indexed, to_named
-from lowdiff.recovery import procs
+from lowdiff.recovery import optimizers, procs
 from lowdiff.storage.format import DTYPES, FileSet, decode_value
 from lowdiff.storage.log_reader import Segment
 from lowdiff.storage.manifest import Manifest
@@ -51,20 +50,9 @@ ELEMENTWISE_OPTIMIZERS = frozenset(
 
 
 def resolve_optimizer_class(path: str, allowed: type | None = None) -> type[torch.optim.Optimizer]:
-    """The optimizer class named in a manifest. Only ``torch.optim`` classes are imported from a run directory;
-    pass ``allowed`` (the class itself) to replay with another optimizer."""
-    if allowed is not None:
-        if f"{allowed.__module__}.{allowed.__qualname__}" != path:
-            raise UnsupportedError(f"the run used optimizer {path}, not {allowed.__module__}.{allowed.__qualname__}")
-        return allowed
-    module, _, name = path.rpartition(".")
-    if not (module == "torch.optim" or module.startswith("torch.optim.")) or "." in name:
-        raise UnsupportedError(f"the run used optimizer {path}; lowdiff only imports torch.optim classes named in a "
-                               "run directory. Pass optimizer_class=<the class> to recover() to allow it")
-    cls = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise CorruptFileError(f"manifest names {path}, which is not an optimizer class")
-    return cls
+    """The optimizer class named in a manifest. Only ``torch.optim`` classes are resolved from a run directory;
+    pass ``allowed`` (the class itself) to replay with another optimizer (lowdiff.recovery.optimizers)."""
+    return optimizers.resolve_optimizer_class(path, allowed)
 
 
 @dataclass
@@ -561,7 +549,8 @@ class _Stepper:
             self.topk_buf[n] = buf
             previous = torch.empty(0, dtype=torch.long)
         try:
-            g = topk.decode(values, indices, shape, out=buf, previous=previous)
+            # The segment reader has checked the indices (integer, in range, strictly increasing).
+            g = topk.decode(values, indices, shape, check_range=False, out=buf, previous=previous)
         except CorruptFileError as e:
             raise CorruptFileError(f"{seg.files}: step {step}: gradient of {n!r}: {e}") from e
         self.topk_prev[n] = indices.long()
@@ -694,6 +683,7 @@ def apply_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]
 def build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, torch.nn.Parameter],
                      wanted: list[str], optimizer_class: type | None, device: str) -> torch.optim.Optimizer:
     cls = resolve_optimizer_class(manifest.optimizer_class, optimizer_class)
+    optimizers.check_snapshot_state(manifest, cls, snap)  # keys, shapes, dtypes: the class's own, or refused
     # Pass only the defaults the constructor takes (AdamW records `decoupled_weight_decay` but does not take
     # it); group hyperparameters are then set exactly by load_state_dict from the snapshot.
     accepted = inspect.signature(cls.__init__).parameters

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,32 +23,12 @@ import h5py
 import numpy as np
 import torch
 
-from lowdiff.errors import CheckpointWriteError, CorruptFileError
+from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage import atomic, codecs
 from lowdiff.storage.format import DTYPES, FORMAT_NAME, FORMAT_VERSION
-
-
-def _pick_crc32() -> Any:
-    """The fastest available CRC-32 (the zlib/IEEE polynomial, same values as ``zlib.crc32``, chaining alike).
-
-    CPython's zlib 1.2.x computes ~4 GB/s here, 11-18 ms of writer CPU per 43 MB segment; ISA-L (``isal``) and
-    zlib-ng use carry-less multiplication, ~25-30 GB/s. All three release the GIL for large buffers. Optional:
-    used when installed, zlib otherwise."""
-    try:
-        from isal.isal_zlib import crc32 as isal_crc32
-
-        return isal_crc32
-    except ImportError:
-        pass
-    try:
-        from zlib_ng.zlib_ng import crc32 as ng_crc32
-
-        return ng_crc32
-    except ImportError:
-        return zlib.crc32
-
-
-_crc32 = _pick_crc32()
+from lowdiff.storage.safe_io import open_regular
+from lowdiff.storage.trailer import TRAILER, TRAILER_MAGIC, check_trailer, meta_crc
+from lowdiff.storage.trailer import crc32 as _crc32
 
 
 @dataclass
@@ -173,47 +151,21 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
     return offset + len(index)
 
 
-# The trailer: CRC-32 of every byte of the HDF5 file outside the `data` blob (superblock, object headers,
-# heaps, the index), checked BEFORE libhdf5 parses anything: damaged HDF5 metadata can make libhdf5 loop
-# forever or misread objects, so it must never see it. The data blob has its own per-entry CRCs.
-_TRAILER = struct.Struct("<8sQQQI4x")  # magic, hdf5 size, data offset, data length, crc32
-_TRAILER_MAGIC = b"LDIFFEND"
-
-
+# The writer's trailer goes through these two module globals, looked up at call time: bench/writebw.py times each
+# phase of a write by wrapping them.
 def _meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int) -> int:
-    crc = 0
-    for start, end in ((0, data_offset if data_len else hdf5_size), (data_offset + data_len, hdf5_size)):
-        pos = start
-        while pos < end:
-            chunk = os.pread(fd, min(end - pos, 1 << 20), pos)
-            if not chunk:
-                raise CorruptFileError(f"file ends at {pos}, expected {end} bytes")
-            crc = _crc32(chunk, crc)
-            pos += len(chunk)
-    return crc
+    return meta_crc(fd, hdf5_size, data_offset, data_len, _crc32)
 
 
 def _trailer(fd: int, size: int, data_offset: int, data_len: int) -> bytes:
-    return _TRAILER.pack(_TRAILER_MAGIC, size, data_offset, data_len, _meta_crc(fd, size, data_offset, data_len))
+    return TRAILER.pack(TRAILER_MAGIC, size, data_offset, data_len, _meta_crc(fd, size, data_offset, data_len))
 
 
 def verify_trailer(path: Path) -> None:
     """Refuse a file whose HDF5 metadata is damaged or truncated, without letting libhdf5 read it."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, confined=False)
     try:
-        size = os.fstat(fd).st_size
-        if size < _TRAILER.size:
-            raise CorruptFileError(f"{path}: {size} bytes is too short for a lowdiff file (truncated?)")
-        magic, hdf5_size, data_offset, data_len, crc = _TRAILER.unpack(os.pread(fd, _TRAILER.size,
-                                                                                 size - _TRAILER.size))
-        if magic != _TRAILER_MAGIC or hdf5_size != size - _TRAILER.size or data_offset + data_len > hdf5_size:
-            raise CorruptFileError(f"{path}: missing or damaged lowdiff trailer: the file is truncated or damaged, "
-                                   "or was written by a pre-release lowdiff (format version 1, no trailer)")
-        if _meta_crc(fd, hdf5_size, data_offset, data_len) != crc:
-            raise CorruptFileError(f"{path}: HDF5 metadata checksum mismatch (file damaged)")
-    except CorruptFileError as e:
-        e.path = path
-        raise
+        check_trailer(fd, path)
     finally:
         os.close(fd)
 
@@ -238,100 +190,6 @@ def _allocate_data(f: h5py.File, nbytes: int) -> int:
     return int(offset)
 
 
-class ContainerReader:
-    """Read-only view of a committed container; every check failure names the file."""
+from lowdiff.storage.container_reader import ContainerReader  # noqa: E402  (re-exported)
 
-    def __init__(self, path: Path, expected_kind: str) -> None:
-        self.path = path
-        verify_trailer(path)
-        try:
-            self._file = h5py.File(path, "r")
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            err = CorruptFileError(f"{path}: not a readable HDF5 file ({e}); it may be truncated or damaged")
-            err.path = path
-            raise err from e
-        try:
-            self._load(expected_kind)
-        except CorruptFileError as e:
-            self._file.close()
-            e.path = e.path or path
-            raise
-        except BaseException:
-            self._file.close()
-            raise
-
-    def _load(self, expected_kind: str) -> None:
-        f, where = self._file, str(self.path)
-        try:
-            if f.attrs.get("format") != FORMAT_NAME or f.attrs.get("kind") != expected_kind:
-                raise CorruptFileError(f"{where}: not a lowdiff {expected_kind} file")
-            version = int(f.attrs.get("format_version", -1))
-            if version != FORMAT_VERSION:
-                raise CorruptFileError(f"{where}: format version {version}, this lowdiff reads {FORMAT_VERSION}; "
-                                       "upgrade lowdiff to read it")
-            index_ds, data_ds = f["index"], f["data"]
-            if not isinstance(index_ds, h5py.Dataset) or not isinstance(data_ds, h5py.Dataset):
-                raise CorruptFileError(f"{where}: index/data are not datasets")
-            if index_ds.dtype != np.uint8 or data_ds.dtype != np.uint8 or index_ds.ndim != 1 or data_ds.ndim != 1:
-                raise CorruptFileError(f"{where}: index/data datasets must be 1-D uint8")
-            raw_index = index_ds[()].tobytes()
-            if _crc32(raw_index) != int(index_ds.attrs.get("crc32", -1)):
-                raise CorruptFileError(f"{where}: index checksum mismatch (file damaged)")
-            doc = json.loads(raw_index)
-        except CorruptFileError:
-            raise
-        except (KeyError, ValueError, TypeError, OSError, AttributeError, RuntimeError) as e:
-            raise CorruptFileError(f"{where}: damaged container ({e!r})") from e
-        self._data = data_ds
-        self.data_nbytes = int(data_ds.shape[0])
-        if not (isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and isinstance(doc.get("entries"), list)):
-            raise CorruptFileError(f"{where}: index lacks meta/entries")
-        self.meta: dict[str, Any] = doc["meta"]
-        self.entries: dict[str, dict[str, Any]] = {}
-        for d in doc["entries"]:
-            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
-                raise CorruptFileError(f"{where}: malformed entry descriptor {str(d)[:80]}")
-            for key in ("offset", "nbytes", "raw_nbytes", "crc32"):
-                v = d.get(key)
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise CorruptFileError(f"{where}: entry {d['name']!r} has invalid {key} {v!r}")
-            if d["offset"] + d["nbytes"] > self.data_nbytes:
-                raise CorruptFileError(f"{where}: entry {d['name']!r} runs past the end of the data "
-                                       f"({d['offset'] + d['nbytes']} > {self.data_nbytes}); file truncated?")
-            self.entries[d["name"]] = d
-
-    def read(self, name: str, expected_raw_nbytes: int) -> bytes | memoryview:
-        try:
-            return self._read(name, expected_raw_nbytes)
-        except CorruptFileError as e:
-            e.path = e.path or self.path
-            raise
-
-    def _read(self, name: str, expected_raw_nbytes: int) -> bytes | memoryview:
-        """Verified, decompressed bytes of one entry. ``expected_raw_nbytes`` comes from the caller's own
-        dtype x shape computation, so a hostile descriptor cannot make us allocate more."""
-        d = self.entries.get(name)
-        where = f"{self.path} [{name}]"
-        if d is None:
-            raise CorruptFileError(f"{self.path}: missing entry {name!r}")
-        if d["raw_nbytes"] != expected_raw_nbytes:
-            raise CorruptFileError(f"{where}: holds {d['raw_nbytes']} raw bytes, expected {expected_raw_nbytes}")
-        start, n = d["offset"], d["nbytes"]
-        try:
-            data = self._data[start : start + n].tobytes() if n else b""
-        except OSError as e:
-            raise CorruptFileError(f"{where}: read failed ({e})") from e
-        if _crc32(data) != d["crc32"]:
-            raise CorruptFileError(f"{where}: checksum mismatch (file damaged)")
-        return codecs.decode(str(d.get("codec")), data, expected_raw_nbytes, where, _itemsize(d.get("dtype")))
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> ContainerReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+__all__ = ["ContainerReader", "EntryIn", "write_container", "verify_trailer"]

@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from lowdiff.errors import CorruptFileError
+from lowdiff.storage.safe_io import lstat_size
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
+FORMAT_MINOR = 1  # 2.1: run id in the manifest and every file; files name their shard; segments their bounds
 MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
@@ -60,7 +62,8 @@ class FileSet:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.paths)
+        """Bytes on disk (a summary: a name that is not a regular file counts 0; readers check every file)."""
+        return sum(lstat_size(p) for p in self.paths)
 
     def __str__(self) -> str:
         return self.name
@@ -227,19 +230,46 @@ def encode_value(value: Any) -> Any:
     raise TypeError(f"cannot store a value of type {type(value).__name__}")
 
 
-def decode_value(value: Any, device: torch.device | str | None = None) -> Any:
+_MAX_VALUE_DEPTH = 32  # hyperparameters and data positions are shallow; deeper is not ours (and would recurse)
+
+
+def decode_value(value: Any, device: torch.device | str | None = None, _depth: int = 0) -> Any:
+    """The value :func:`encode_value` encoded. Untrusted input: a malformed tagged form (a "tensor" of more than one
+    element, an unknown dtype, nesting deeper than encode_value ever writes) is a CorruptFileError. Whether the
+    value makes sense where it stands (finite, in range) is lowdiff.storage.validate's concern."""
+    if _depth > _MAX_VALUE_DEPTH:
+        raise CorruptFileError(f"value nested deeper than {_MAX_VALUE_DEPTH} levels")
     if isinstance(value, list):
-        return [decode_value(v, device) for v in value]
+        return [decode_value(v, device, _depth + 1) for v in value]
     if isinstance(value, dict):
         if set(value) == {"__tuple__"}:
-            return tuple(decode_value(v, device) for v in value["__tuple__"])
+            items = value["__tuple__"]
+            if not isinstance(items, list):
+                raise CorruptFileError(f"malformed tuple {str(value)[:80]}")
+            return tuple(decode_value(v, device, _depth + 1) for v in items)
         if set(value) == {"__tensor__"}:
-            spec = value["__tensor__"]
-            dtype = parse_dtype(spec.get("dtype"), "scalar tensor")
-            shape = check_shape(spec.get("shape"), "scalar tensor")
-            dev = device if device is not None else "cpu"
-            if spec.get("device") == "cpu":
-                dev = "cpu"  # e.g. Adam's step counter stays on CPU unless capturable
-            return torch.tensor(spec.get("value"), dtype=dtype, device=dev).reshape(shape)
-        return {k: decode_value(v, device) for k, v in value.items()}
+            return _decode_tensor(value["__tensor__"], device)
+        return {k: decode_value(v, device, _depth + 1) for k, v in value.items()}
     return value
+
+
+def _decode_tensor(spec: Any, device: torch.device | str | None) -> torch.Tensor:
+    if not isinstance(spec, dict):
+        raise CorruptFileError(f"malformed scalar tensor {str(spec)[:80]}")
+    dtype = parse_dtype(spec.get("dtype"), "scalar tensor")
+    shape = check_shape(spec.get("shape"), "scalar tensor")
+    if math.prod(shape) != 1:
+        raise CorruptFileError(f"scalar tensor of shape {list(shape)[:8]}: a stored scalar has one element")
+    v = spec.get("value")
+    if not isinstance(v, (bool, int, float)):
+        raise CorruptFileError(f"scalar tensor value {str(v)[:40]!r} is not a number")
+    dev = spec.get("device")
+    if not isinstance(dev, str):
+        raise CorruptFileError(f"scalar tensor device {str(dev)[:40]!r} is not a string")
+    target = device if device is not None else "cpu"
+    if dev == "cpu":
+        target = "cpu"  # e.g. Adam's step counter stays on CPU unless capturable
+    try:
+        return torch.tensor(v, dtype=dtype, device=target).reshape(shape)
+    except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+        raise CorruptFileError(f"scalar tensor {str(spec)[:80]}: {e}") from e

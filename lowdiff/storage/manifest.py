@@ -1,17 +1,32 @@
-"""manifest.json: what the run is (model tensors, optimizer class and groups, config), checksummed JSON."""
+"""manifest.json: what the run is (model tensors, optimizer class and groups, config, run id), checksummed JSON.
+
+The manifest is the root every other check of a run directory stands on, so it is read as untrusted input in
+full: bounded in size before it is read, and every field checked for type and range (docs/reference/FORMAT.md
+sections 2 and 8).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
+import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowdiff.errors import CorruptFileError, ModelMismatchError, RunDirNotFoundError
+from lowdiff.errors import CorruptFileError, FileVanishedError, ModelMismatchError, RunDirNotFoundError
 from lowdiff.storage.atomic import write_json_atomic
-from lowdiff.storage.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, check_shape, parse_dtype
+from lowdiff.storage.format import DTYPES, FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from lowdiff.storage.safe_io import parse_json, read_bounded
+from lowdiff.storage.validate import check_run_id, decoded_defaults
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""~200 bytes per tensor: room for 300,000 tensors. A larger manifest.json is not lowdiff's."""
+_MAX_DIMS = 64
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,33 @@ class TensorSpec:
             n *= s
         return n
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+def new_run_id() -> str:
+    """A fresh run id: 128 random bits as 32 hex digits."""
+    return uuid.uuid4().hex
+
+
+def run_id_to_ints(run_id: str) -> list[int]:
+    """Two int64 values carrying a run id (to broadcast it from rank 0 over torch.distributed)."""
+    v = int(run_id, 16)
+    return [(v >> 64) - (1 << 63), (v & ((1 << 64) - 1)) - (1 << 63)]
+
+
+def run_id_from_ints(values: list[int]) -> str:
+    hi, lo = (int(x) + (1 << 63) for x in values)
+    return f"{(hi << 64) | lo:032x}"
+
+
+def shared_run_id(broadcast_ints: Callable[[list[int], str], list[int]]) -> str:
+    """A new run's id, the same on every rank: rank 0's fresh id, broadcast (``Coordinator.broadcast_ints``; in one
+    process it returns its argument). Every rank stamps its shard of snapshot 0 before rank 0 writes the manifest,
+    so the id cannot be read from the manifest, and nothing all ranks share is unique to one run."""
+    return run_id_from_ints(broadcast_ints(run_id_to_ints(new_run_id()), "run id"))
+
 
 @dataclass
 class Manifest:
@@ -43,6 +85,9 @@ class Manifest:
     """Parameter names of each optimizer group, in order (the optimizer state_dict's index order)."""
     config: dict[str, Any] = field(default_factory=dict)
     created_unix_s: float = field(default_factory=time.time)
+    run_id: str | None = None
+    """Names the run in every file of it (format 2.1); None in a run written before run ids existed."""
+    format_minor: int = FORMAT_MINOR
 
     def param(self, name: str) -> TensorSpec:
         return self._params_by_name[name]
@@ -50,6 +95,7 @@ class Manifest:
     def __post_init__(self) -> None:
         self._params_by_name = {p.name: p for p in self.params}
         self._buffers_by_name = {b.name: b for b in self.buffers}
+        self._defaults_decoded: dict[str, Any] | None = None
 
     def buffer(self, name: str) -> TensorSpec:
         return self._buffers_by_name[name]
@@ -64,10 +110,22 @@ class Manifest:
     def optimized_params(self) -> list[str]:
         return [n for g in self.param_groups for n in g]
 
+    @property
+    def defaults_decoded(self) -> dict[str, Any]:
+        """The optimizer defaults as Python values (the reference every logged group is checked against)."""
+        if self._defaults_decoded is None:
+            self._defaults_decoded = decoded_defaults(self.optimizer_defaults, MANIFEST)
+        return self._defaults_decoded
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.params, *self.buffers))
+
     def to_json(self) -> dict[str, Any]:
         body = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
+            "format_minor": FORMAT_MINOR,
             "params": [asdict(p) | {"shape": list(p.shape)} for p in self.params],
             "buffers": [asdict(b) | {"shape": list(b.shape)} for b in self.buffers],
             "state_dict_keys": [list(k) for k in self.state_dict_keys],
@@ -76,6 +134,8 @@ class Manifest:
             "config": self.config,
             "created_unix_s": self.created_unix_s,
         }
+        if self.run_id is not None:
+            body["run_id"] = self.run_id
         return body | {"crc32": _crc(body)}
 
 
@@ -91,44 +151,113 @@ def read_manifest(run_dir: Path) -> Manifest:
     path = run_dir / MANIFEST
     if not run_dir.is_dir():
         raise RunDirNotFoundError(f"run directory {run_dir} does not exist")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise RunDirNotFoundError(f"{run_dir} holds no lowdiff run ({MANIFEST} missing); check the path")
     try:
-        doc = json.loads(path.read_bytes())
-    except (ValueError, OSError) as e:
-        raise CorruptFileError(f"{path}: not valid JSON ({e})") from e
+        raw = read_bounded(path, MAX_MANIFEST_BYTES, confined=False)
+    except FileVanishedError as e:
+        raise RunDirNotFoundError(f"{run_dir} holds no lowdiff run ({MANIFEST} missing); check the path") from e
+    try:
+        return _parse(raw, path)
+    except CorruptFileError as e:
+        e.path = path
+        raise
+
+
+def _parse(raw: bytes, path: Path) -> Manifest:
+    doc = parse_json(raw, str(path))
     if not isinstance(doc, dict):
         raise CorruptFileError(f"{path}: not a JSON object")
     crc = doc.pop("crc32", None)
-    if crc != _crc(doc):
+    try:
+        expected = _crc(doc)
+    except (ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{path}: not a lowdiff manifest ({type(e).__name__})") from e
+    if crc != expected:
         raise CorruptFileError(f"{path}: checksum mismatch (file damaged or edited by hand)")
     if doc.get("format") != FORMAT_NAME or doc.get("format_version") != FORMAT_VERSION:
-        raise CorruptFileError(f"{path}: format {doc.get('format')!r} version {doc.get('format_version')!r}; "
-                               f"this lowdiff reads {FORMAT_NAME} version {FORMAT_VERSION}")
-    try:
-        params = [_spec(p, path) for p in doc["params"]]
-        buffers = [_spec(b, path) for b in doc["buffers"]]
-        opt = doc["optimizer"]
-        manifest = Manifest(
-            params=params, buffers=buffers,
-            state_dict_keys=[(str(k), str(c)) for k, c in doc["state_dict_keys"]],
-            optimizer_class=str(opt["class"]), optimizer_defaults=dict(opt["defaults"]),
-            param_groups=[[str(n) for n in g] for g in opt["param_groups"]],
-            config=dict(doc.get("config", {})), created_unix_s=float(doc.get("created_unix_s", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptFileError(f"{path}: malformed manifest ({e!r})") from e
+        raise CorruptFileError(f"{path}: format {str(doc.get('format'))[:40]!r} version "
+                               f"{str(doc.get('format_version'))[:40]!r}; this lowdiff reads {FORMAT_NAME} version "
+                               f"{FORMAT_VERSION}")
+    minor = doc.get("format_minor", 0)
+    if not isinstance(minor, int) or isinstance(minor, bool) or minor < 0:
+        raise CorruptFileError(f"{path}: invalid format_minor {str(minor)[:40]!r}")
+    params = _specs(doc.get("params"), path, "params")
+    buffers = _specs(doc.get("buffers"), path, "buffers")
     names = {p.name for p in params}
-    for n in manifest.optimized_params:
-        if n not in names:
-            raise CorruptFileError(f"{path}: optimizer group names unknown parameter {n!r}")
+    if names & {b.name for b in buffers}:
+        raise CorruptFileError(f"{path}: a name is both a parameter and a buffer")
+    keys = doc.get("state_dict_keys")
+    if not isinstance(keys, list) or not all(isinstance(k, list) and len(k) == 2 and all(isinstance(s, str) for s in k)
+                                             for k in keys):
+        raise CorruptFileError(f"{path}: state_dict_keys must be a list of [key, name] string pairs")
+    tensors = names | {b.name for b in buffers}
+    for key, canonical in keys:
+        if canonical not in tensors:
+            raise CorruptFileError(f"{path}: state_dict key {key!r} names unknown tensor {canonical!r}")
+    opt = doc.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("defaults"), dict):
+        raise CorruptFileError(f"{path}: optimizer must be an object with class, defaults and param_groups")
+    cls = opt.get("class")
+    if not isinstance(cls, str) or not 0 < len(cls) <= 1024 or not cls.isprintable():
+        raise CorruptFileError(f"{path}: invalid optimizer class name {str(cls)[:80]!r}")
+    groups = opt.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(n, str) for n in g)
+                                               for g in groups):
+        raise CorruptFileError(f"{path}: optimizer param_groups must be lists of parameter names")
+    seen: set[str] = set()
+    for g in groups:
+        for n in g:
+            if n not in names:
+                raise CorruptFileError(f"{path}: optimizer group names unknown parameter {n!r}")
+            if n in seen:
+                raise CorruptFileError(f"{path}: parameter {n!r} is in two optimizer groups")
+            seen.add(n)
+    config = doc.get("config", {})
+    created = doc.get("created_unix_s", 0.0)
+    if not isinstance(config, dict):
+        raise CorruptFileError(f"{path}: config must be an object")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise CorruptFileError(f"{path}: invalid created_unix_s {str(created)[:40]!r}")
+    manifest = Manifest(params=params, buffers=buffers, state_dict_keys=[(k, c) for k, c in keys],
+                        optimizer_class=cls, optimizer_defaults=dict(opt["defaults"]), param_groups=groups,
+                        config=config, created_unix_s=float(created),
+                        run_id=check_run_id(doc.get("run_id"), str(path)), format_minor=minor)
+    manifest.defaults_decoded  # noqa: B018  (checks every default now: a bad one is the manifest's fault)
+    limit = _memory_bytes()
+    if limit and manifest.state_nbytes > limit:
+        raise CorruptFileError(f"{path}: describes a model of {manifest.state_nbytes} bytes, more than this "
+                               f"machine's memory ({limit} bytes); the manifest is damaged, or recover on a larger "
+                               "machine")
     return manifest
 
 
-def _spec(d: dict[str, Any], path: Path) -> TensorSpec:
-    parse_dtype(d["dtype"], str(path))
-    return TensorSpec(name=str(d["name"]), shape=check_shape(d["shape"], f"{path} [{d['name']}]"),
-                      dtype=str(d["dtype"]), requires_grad=bool(d.get("requires_grad", False)))
+def _specs(items: Any, path: Path, what: str) -> list[TensorSpec]:
+    if not isinstance(items, list):
+        raise CorruptFileError(f"{path}: {what} must be a list")
+    out, seen = [], set()
+    for d in items:
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"]:
+            raise CorruptFileError(f"{path}: malformed {what} entry {str(d)[:80]}")
+        name, shape, dtype, rg = d["name"], d.get("shape"), d.get("dtype"), d.get("requires_grad", False)
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape):
+            raise CorruptFileError(f"{path} [{name}]: invalid shape {str(shape)[:80]}")
+        if dtype not in DTYPES or not isinstance(rg, bool):
+            raise CorruptFileError(f"{path} [{name}]: invalid dtype {str(dtype)[:40]!r} or requires_grad")
+        if name in seen:
+            raise CorruptFileError(f"{path}: {what} lists {name!r} twice")
+        seen.add(name)
+        out.append(TensorSpec(name=name, shape=tuple(shape), dtype=dtype, requires_grad=rg))
+    return out
+
+
+def _memory_bytes() -> int:
+    """Physical memory of this machine (0: unknown). No model larger than it can be recovered here."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def check_compatible(recorded: Manifest, current: Manifest, run_dir: Path) -> None:

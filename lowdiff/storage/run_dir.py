@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond
 from lowdiff.storage.lock import WriterLock
-from lowdiff.storage.manifest import Manifest, check_compatible, read_manifest, write_manifest
+from lowdiff.storage.manifest import Manifest, check_compatible, read_manifest, shared_run_id, write_manifest
 from lowdiff.storage.retention import apply_retention
 from lowdiff.storage.segment import StepRecord, write_segment
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -55,9 +55,15 @@ class RetentionPolicy:
 class RunDir:
     """``path`` as this rank's writer sees it; ``shard``: which share of each snapshot and segment it writes."""
 
-    def __init__(self, path: str | Path, shard: Shard = UNSHARDED) -> None:
+    def __init__(self, path: str | Path, shard: Shard = UNSHARDED, *,
+                 compressor_params: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.shard = shard
+        self.compressor_params = compressor_params
+        """Recorded in every segment, so a reader can bound its payloads (Top-k ratio, PowerSGD rank)."""
+        self.run_id: str | None = None
+        """The id every file of the run is stamped with: the manifest's, known once the run is committed or read
+        (None for a run written before run ids existed: its new files stay without one)."""
         self._lock: WriterLock | None = None
 
     def __repr__(self) -> str:
@@ -91,8 +97,15 @@ class RunDir:
         return read_manifest(self.path)
 
     def check_compatible(self, current: Manifest) -> None:
-        """The model and optimizer being wrapped must be the ones this run was written for."""
-        check_compatible(self.read_manifest(), current, self.path)
+        """The model and optimizer being wrapped must be the ones this run was written for; adopts its run id."""
+        recorded = self.read_manifest()
+        check_compatible(recorded, current, self.path)
+        self.run_id = recorded.run_id
+
+    def new_run(self, manifest: Manifest, broadcast_ints: Callable[[list[int], str], list[int]]) -> None:
+        """Start a new run: draw its id (rank 0's, broadcast, so every rank stamps the same) into ``manifest``.
+        Then :meth:`write_snapshot` of step 0 on every rank and :meth:`commit_manifest` on one."""
+        self.run_id = manifest.run_id = shared_run_id(broadcast_ints)
 
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit the run: written last, after the step-0 snapshot, by one rank."""
@@ -102,11 +115,12 @@ class RunDir:
 
     def write_snapshot(self, state: SnapshotState, codec: str) -> int:
         """Commit this rank's share of the snapshot at ``state.step``; returns the bytes written."""
-        return write_snapshot(self.path, state, codec, self.shard)
+        return write_snapshot(self.path, state, codec, self.shard, run_id=self.run_id)
 
     def write_segment(self, records: Sequence[StepRecord], codec: str, compressor: str) -> int:
         """Commit this rank's share of the segment holding ``records`` (consecutive steps); returns bytes."""
-        return write_segment(self.path, list(records), codec, compressor, self.shard)
+        return write_segment(self.path, list(records), codec, compressor, self.shard, run_id=self.run_id,
+                             compressor_params=self.compressor_params)
 
     def apply_retention(self, policy: RetentionPolicy) -> list[Path]:
         """Delete what ``policy`` does not keep (one rank: the files of every shard go together)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CorruptFileError
+from lowdiff.errors import CorruptFileError, ForeignFileError
 from lowdiff.storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.storage.format import (
     SNAPSHOT_DIR,
@@ -16,15 +16,33 @@ from lowdiff.storage.format import (
     FileSet,
     Shard,
     check_shape,
-    decode_value,
     dtype_name,
     encode_value,
     parse_dtype,
+    parse_snapshot_name,
     snapshot_name,
     tensor_from_bytes,
 )
 from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.segment import RNG_MAX_NBYTES
+from lowdiff.storage.tensors import (
+    COMPRESSOR_NAMES,
+    MAX_RNG_SOURCES,
+    MAX_STATE_PER_ELEMENT,
+    RNG_SOURCE_RE,
+    STATE_KEY_RE,
+    check_compressor_tensor,
+    check_state_tensor,
+    rng_nbytes,
+)
+from lowdiff.storage.validate import (
+    as_int,
+    check_belongs,
+    check_groups,
+    check_json_object,
+    check_scalar_state,
+    check_shard,
+)
 
 KIND = "snapshot"
 
@@ -46,11 +64,15 @@ class SnapshotState:
     """JSON: e.g. "data" (data positions by tracked name), "compacted"."""
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
+    source: Any = None
+    """The FileSet it was read from (None: captured from a live model); names the file in later checks."""
 
 
-def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED) -> int:
+def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED, *,
+                   run_id: str | None = None) -> int:
     """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no
-    longer mutates. With several shards each file holds part of the tensors and the same metadata."""
+    longer mutates. With several shards each file holds part of the tensors and the same metadata. ``run_id``:
+    the manifest's (None only in a run written before run ids existed)."""
     entries: list[EntryIn] = []
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -73,88 +95,145 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
     for n, t in state.rng.items():
         add(f"rng/{n}", t)
     meta = {"step": state.step, "param_groups": state.param_groups, "optimizer_scalars": scalars,
-            "compressor": state.compressor_name, "extra": state.extra}
+            "compressor": state.compressor_name, "extra": state.extra, "shard": [shard.index, shard.count]}
+    if run_id is not None:
+        meta["run_id"] = run_id
     path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
     return write_container(path, KIND, meta, entries, codec)
 
 
 def read_snapshot(files: FileSet | Path, manifest: Manifest, only: set[str] | None = None,
                   with_buffers: bool = True) -> SnapshotState:
-    """Load a snapshot (all its shards), verifying every checksum and every shape against the manifest.
+    """Load a snapshot (all its shards), verifying every checksum, that it belongs to this run and to the step its
+    name says, and every shape, dtype and value against the manifest (docs/reference/FORMAT.md sections 4, 8).
 
     ``only`` limits parameters, optimizer and compressor state to those parameter names (replay workers).
     """
     fileset = files if isinstance(files, FileSet) else FileSet((files,))
     state: SnapshotState | None = None
+    seen: dict[str, Path] = {}
     for path in fileset.paths:
-        state = _read_one(path, manifest, only, with_buffers, state)
+        state = _read_one(path, manifest, only, with_buffers, state, seen)
     assert state is not None
-    if only is None:
-        missing = [p.name for p in manifest.params if p.name not in state.params]
-    else:
-        missing = [n for n in only if n not in state.params]
+    wanted = [p.name for p in manifest.params] if only is None else [n for n in only if manifest.has_param(n)]
+    missing = [n for n in wanted if n not in state.params]
+    if with_buffers:
+        missing += [b.name for b in manifest.buffers if b.name not in state.buffers]
     if missing:
-        raise CorruptFileError(f"{fileset}: parameter {missing[0]!r} is missing")
+        raise CorruptFileError(f"{fileset}: tensor {missing[0]!r} is missing", path=fileset.paths[0],
+                               step=state.step)
+    state.source = fileset
     return state
 
 
 def _read_one(path: Path, manifest: Manifest, only: set[str] | None, with_buffers: bool,
-              state: SnapshotState | None) -> SnapshotState:
-    with ContainerReader(path, KIND) as r:
-        meta = r.meta
-        step = meta.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CorruptFileError(f"{path}: invalid step {step!r}")
-        groups = meta.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(manifest.param_groups):
-            raise CorruptFileError(f"{path}: has {len(groups) if isinstance(groups, list) else '?'} optimizer "
-                                   f"groups, the manifest {len(manifest.param_groups)}")
-        if state is None:
-            state = SnapshotState(step=step, param_groups=groups, compressor_name=str(meta.get("compressor")),
-                                  extra=meta.get("extra") or {})
-        elif state.step != step:
-            raise CorruptFileError(f"{path}: shard holds step {step}, its sibling step {state.step}")
-        scalars = meta.get("optimizer_scalars") or {}
-        if not isinstance(scalars, dict):
-            raise CorruptFileError(f"{path}: invalid optimizer_scalars")
-        for name, d in r.entries.items():
-            kind, _, rest = name.partition("/")
-            if kind == "param":
-                if only is not None and rest not in only:
-                    continue
-                if not manifest.has_param(rest):
-                    raise CorruptFileError(f"{path}: parameter {rest!r} is not in the manifest")
-                spec = manifest.param(rest)
-                state.params[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
-            elif kind == "buffer":
-                if not with_buffers:
-                    continue
-                if not manifest.has_buffer(rest):
-                    raise CorruptFileError(f"{path}: buffer {rest!r} is not in the manifest")
+              state: SnapshotState | None, seen: dict[str, Path]) -> SnapshotState:
+    try:
+        with ContainerReader(path, KIND, confined=True) as r:
+            return _read_entries(r, manifest, only, with_buffers, state, seen)
+    except CorruptFileError as e:
+        e.path = e.path or path
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
+        # Anything the checks above did not anticipate is still this file's fault, and still a lowdiff error.
+        raise CorruptFileError(f"{path}: invalid snapshot content ({e!r})", path=path) from e
+
+
+def _check_meta(r: ContainerReader, manifest: Manifest, state: SnapshotState | None) -> SnapshotState:
+    meta, path = r.meta, r.path
+    step = as_int(meta.get("step"), str(path), "step")
+    named = parse_snapshot_name(path.name)
+    if named is not None:
+        if named[0] != step:
+            raise ForeignFileError(f"{path}: holds the state after step {step}, its name says step {named[0]} (a "
+                                   "snapshot copied or renamed; remove it)", path=path, step=named[0])
+        check_shard(meta, named[1].index, named[1].count, path)
+    check_belongs(meta, manifest.run_id, path)
+    where = f"{path} (step {step})"
+    if meta.get("compressor") not in COMPRESSOR_NAMES:
+        raise CorruptFileError(f"{where}: unknown compressor {str(meta.get('compressor'))[:40]!r}")
+    groups = meta.get("param_groups")
+    check_groups(groups, manifest, where, with_names=True)
+    extra = check_json_object(meta.get("extra") or {}, where, "extra")
+    check_json_object(extra.get("data") or {}, where, "the data position")
+    if not isinstance(extra.get("compressor_state_exact", True), bool):
+        raise CorruptFileError(f"{where}: invalid compressor_state_exact")
+    assert isinstance(groups, list)  # check_groups made sure
+    if state is None:
+        return SnapshotState(step=step, param_groups=groups, compressor_name=meta["compressor"], extra=extra)
+    if state.step != step or state.param_groups != groups:
+        raise CorruptFileError(f"{path}: shard holds step {step}, its sibling step {state.step} (or other groups)")
+    return state
+
+
+def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None, with_buffers: bool,
+                  state: SnapshotState | None, seen: dict[str, Path]) -> SnapshotState:
+    path = r.path
+    state = _check_meta(r, manifest, state)
+    where = f"{path} (step {state.step})"
+    scalars = check_json_object(r.meta.get("optimizer_scalars") or {}, where, "optimizer_scalars")
+    optimized = set(manifest.optimized_params)
+    state_numel: dict[str, int] = {}
+    nrng = 0
+    for name, d in r.entries.items():
+        if name in seen:
+            raise CorruptFileError(f"{path}: entry {name!r} is also in {seen[name]}")
+        seen[name] = path
+        kind, _, rest = name.partition("/")
+        if kind == "param":
+            if not manifest.has_param(rest):
+                raise CorruptFileError(f"{where}: parameter {rest!r} is not in the manifest")
+            if only is not None and rest not in only:
+                continue
+            spec = manifest.param(rest)
+            state.params[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
+        elif kind == "buffer":
+            if not manifest.has_buffer(rest):
+                raise CorruptFileError(f"{where}: buffer {rest!r} is not in the manifest")
+            if with_buffers:
                 spec = manifest.buffer(rest)
                 state.buffers[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
-            elif kind == "rng":
-                if with_buffers:
-                    state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
-                    if state.rng[rest].dtype != torch.uint8 or state.rng[rest].dim() != 1:
-                        raise CorruptFileError(f"{path}: RNG state {rest!r} is not a 1-D uint8 tensor")
-            elif kind in ("optim", "compressor"):
-                pname, _, key = rest.rpartition("/")
-                if only is not None and pname not in only:
-                    continue
-                if not manifest.has_param(pname):
-                    raise CorruptFileError(f"{path}: state for unknown parameter {pname!r}")
-                t = _read(r, name, d, max_numel=max(manifest.param(pname).numel, 1))
-                target = state.optimizer_state if kind == "optim" else state.compressor_state
-                target.setdefault(pname, {})[key] = t
-            else:
-                raise CorruptFileError(f"{path}: unknown entry {name!r}")
-        for pname, st in scalars.items():
+        elif kind == "rng":
+            nrng += 1
+            if nrng > MAX_RNG_SOURCES or not RNG_SOURCE_RE.match(rest) or d.get("dtype") != "uint8" \
+                    or not isinstance(d.get("shape"), list) or len(d["shape"]) != 1:
+                raise CorruptFileError(f"{where}: RNG state {rest[:60]!r} is not a 1-D uint8 tensor of a known "
+                                       "source")
+            size = rng_nbytes(rest)
+            if size is not None and d["shape"] != [size]:
+                raise CorruptFileError(f"{where}: RNG state {rest!r} of {str(d['shape'])[:20]} bytes; its layout has "
+                                       f"{size}")
+            if with_buffers:
+                state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
+        elif kind in ("optim", "compressor"):
+            pname, _, key = rest.rpartition("/")
+            if pname not in optimized or not STATE_KEY_RE.match(key):
+                raise CorruptFileError(f"{where}: {kind} state {key[:40]!r} of {pname[:80]!r}, which is not an "
+                                       "optimized parameter")
             if only is not None and pname not in only:
                 continue
-            if not manifest.has_param(pname) or not isinstance(st, dict):
-                raise CorruptFileError(f"{path}: scalar state for unknown parameter {pname!r}")
-            state.optimizer_state.setdefault(pname, {}).update({k: decode_value(v) for k, v in st.items()})
+            spec = manifest.param(pname)
+            if kind == "optim":
+                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                state_numel[pname] = state_numel.get(pname, 0) + t.numel()
+                if state_numel[pname] > MAX_STATE_PER_ELEMENT * max(spec.numel, 1) + 64:
+                    raise CorruptFileError(f"{where}: more optimizer state for {pname!r} than any torch.optim "
+                                           "optimizer keeps")
+                check_state_tensor(t, spec, key, f"{where} [{name}]")
+            else:
+                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                check_compressor_tensor(t, spec, key, f"{where} [{name}]")
+            target = state.optimizer_state if kind == "optim" else state.compressor_state
+            target.setdefault(pname, {})[key] = t
+        else:
+            raise CorruptFileError(f"{where}: unknown entry {name[:80]!r}")
+    for pname, st in scalars.items():
+        if pname not in optimized:
+            raise CorruptFileError(f"{where}: scalar state for unknown parameter {pname[:80]!r}")
+        decoded = check_scalar_state(st, f"{where} [{pname}]")
+        if only is not None and pname not in only:
+            continue
+        state.optimizer_state.setdefault(pname, {}).update(decoded)
     return state
 
 
@@ -164,8 +243,10 @@ def _read(r: ContainerReader, name: str, d: dict[str, Any], expect: tuple[tuple[
     dtype = parse_dtype(d.get("dtype"), where)
     shape = check_shape(d.get("shape"), where)
     if expect is not None and (shape, d.get("dtype")) != (expect[0], expect[1]):
-        raise CorruptFileError(f"{where}: is {d.get('dtype')}{list(shape)}, the manifest says "
+        raise CorruptFileError(f"{where}: is {d.get('dtype')}{list(shape)[:8]}, the manifest says "
                                f"{expect[1]}{list(expect[0])}")
+    if len(shape) > 64:
+        raise CorruptFileError(f"{where}: {len(shape)} dimensions")
     numel = 1
     for s in shape:
         numel *= s
