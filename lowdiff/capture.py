@@ -30,8 +30,10 @@ BUCKET_BYTES = 16 << 20
 
 
 class LayerwiseCapture:
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: HostCopier) -> None:
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], stager: HostCopier,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
         self._stager = stager
+        self._bucket_bytes = bucket_bytes
         self._captured: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._pending: list[tuple[str, torch.Tensor, int]] = []
         self._pending_bytes = 0
@@ -48,7 +50,7 @@ class LayerwiseCapture:
                 return
             self._pending.append((name, g, g._version))
             self._pending_bytes += g.numel() * g.element_size()
-            if self._pending_bytes >= BUCKET_BYTES:
+            if self._pending_bytes >= self._bucket_bytes:
                 self._stage_pending()
 
         return hook

@@ -124,6 +124,9 @@ class LogConfig:
     all at once in step(), overlapping the inner optimizer step on a GPU; ``auto``: step, which measured as fast
     or faster on CPU and GPU (docs/reference/design.md). A gradient changed after its hook ran (clipping,
     accumulation) is copied again in step()."""
+    capture_bucket_bytes: int = 16 << 20
+    """``layerwise``: gradients are staged in buckets of at least this many bytes, in the order backward finishes
+    them (one concatenation and one copy per bucket); the last, partial bucket is copied in step(). >= 0."""
     backpressure_warn_s: float = 5.0
     """Warn each time training has waited this many seconds more, in all, for a full writer queue (> 0)."""
 
@@ -132,6 +135,7 @@ class LogConfig:
         _check_choice("log.codec", self.codec, (*CODECS, "auto"))
         _check_min_int("log.queue_depth", self.queue_depth, 1)
         _check_choice("log.capture", self.capture, CAPTURES)
+        _check_min_int("log.capture_bucket_bytes", self.capture_bucket_bytes, 0)
         _check_number("log.backpressure_warn_s", self.backpressure_warn_s, lambda v: v > 0, "a number > 0")
 
 

@@ -68,7 +68,8 @@ class LowDiffOptimizer:
         copier = HostCopier(self._spec.params.values())
         layerwise: LayerwiseCapture | None = None
         if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config):
-            layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log], copier)
+            layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log], copier,
+                                         bucket_bytes=config.log.capture_bucket_bytes)
         self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
                               leader=self._leader, tracked=self._tracked, layerwise=layerwise)
         self._run_dir: RunDir | None = None

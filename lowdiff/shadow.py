@@ -16,7 +16,7 @@ import torch
 
 from lowdiff.compressors import decode_payload
 from lowdiff.named_state import to_named
-from lowdiff.recovery.replayer import apply_step, build_optimizer
+from lowdiff.recovery.stepper import apply_step, build_optimizer
 from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState

@@ -62,9 +62,9 @@ class HostPool:
     """Flat CPU buffers reused from step to step for the copies of live CPU tensors (compressor none's gradients).
 
     A fresh 40 MB allocation every step is a fresh mmap whose pages fault in as the copy writes them: measured
-    4-10 points of step time on the 2-core machine (docs/measurements/gil.md). Buffers go back to the pool when the writer
-    has persisted the record (``Staged.release``); a record dropped without that just lets its buffer be
-    garbage-collected. Taken on the training thread, given back on the writer's, hence the lock."""
+    4-10 points of step time on the 2-core machine (docs/measurements/gil.md). Buffers go back to the pool when
+    the writer has persisted the record (``Staged.release``); a record dropped without that just lets its buffer
+    be garbage-collected. Taken on the training thread, given back on the writer's, hence the lock."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}

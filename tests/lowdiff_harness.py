@@ -190,6 +190,7 @@ class Scenario:
     seed: int = 0
     device: str = "cpu"
     capture: str = "auto"
+    capture_bucket_bytes: int = 0  # the test models are a few KB: every gradient a bucket of its own
     accumulate: int = 1
     """Micro-batches per step (gradient accumulation)."""
 
@@ -198,7 +199,8 @@ class Scenario:
             "run_dir": str(run_dir),
             "compressor": {"name": self.compressor, "ratio": self.ratio, "rank": self.rank},
             "snapshot": {"every_steps": self.every_steps},
-            "log": {"batch_steps": self.batch_steps, "codec": self.codec, "capture": self.capture},
+            "log": {"batch_steps": self.batch_steps, "codec": self.codec, "capture": self.capture,
+                    "capture_bucket_bytes": self.capture_bucket_bytes},
         }
 
     def to_dict(self) -> dict[str, Any]:

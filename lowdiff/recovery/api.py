@@ -16,6 +16,7 @@ from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError, St
 from lowdiff.named_state import to_indexed
 from lowdiff.recovery import procs
 from lowdiff.recovery.optimizers import check_manifest_optimizer, resolve_optimizer_class
+from lowdiff.recovery.options import DEFAULT_OPTIONS, ReplayOptions
 from lowdiff.recovery.replayer import (
     ELEMENTWISE_OPTIMIZERS,
     PartitionResult,
@@ -74,13 +75,15 @@ class Recovered:
 
 
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
-            device: str = "cpu", optimizer_class: type | None = None, progress: Any = None) -> Recovered:
+            device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
+            options: ReplayOptions = DEFAULT_OPTIONS) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
     ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/measurements/recovery.md).
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
     optimizers, devices other than the CPU, and a process running other threads replay in one process
-    (``report.mode`` says why).
+    (``report.mode`` says why). ``options``: replay's block sizes and test seam (:class:`ReplayOptions`; the
+    defaults are what users want, and no option changes a recovered bit).
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
@@ -104,7 +107,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             raise
         chain = chains[0]
         try:
-            result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress)
+            result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress,
+                                                   options)
         except FileVanishedError as e:
             # Retention (a live trainer's, or compaction) deleted a file after it was listed: list again.
             relists += 1
@@ -151,7 +155,8 @@ def check_optimizer(root: Path, manifest: Manifest, optimizer_class: type | None
 
 
 def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | None, device: str,
-                  optimizer_class: type | None, progress: Any) -> tuple[PartitionResult, int, str]:
+                  optimizer_class: type | None, progress: Any,
+                  options: ReplayOptions = DEFAULT_OPTIONS) -> tuple[PartitionResult, int, str]:
     segments = chain.segments_to(target)
     nsteps = target - chain.snapshot_step
     names = manifest.optimized_params
@@ -171,14 +176,14 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
             mode, workers = f"sequential ({unsafe})", 1
     if workers == 1 or nsteps == 0:
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
-                                device, progress), 1, mode
+                                device, progress, options=options), 1, mode
     # Processes, not threads: threads stepping disjoint chunks were slower than one (the optimizer's per-chunk
     # Python serializes on the GIL; docs/reference/design.md). One intra-op thread each.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         result = replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
-                                  device, progress, workers=workers)
+                                  device, progress, workers=workers, options=options)
     finally:
         torch.set_num_threads(threads)
     if result.workers == 1:

@@ -22,6 +22,14 @@ from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.snapshot import SnapshotState
 
 # Flags that change how, not what, an optimizer computes (and need devices or autograd a probe does not have).
+# Optimizers whose update of a tensor reads only that tensor's gradient and state, plus group scalars.
+ELEMENTWISE_OPTIMIZERS = frozenset(
+    f"torch.optim.{m}.{c}" for m, c in [
+        ("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("adagrad", "Adagrad"), ("rmsprop", "RMSprop"),
+        ("adamax", "Adamax"), ("nadam", "NAdam"), ("radam", "RAdam"), ("adadelta", "Adadelta"),
+    ]
+)
+
 _FLAGS_OFF = {"foreach": False, "fused": None, "capturable": False, "differentiable": False}
 
 
@@ -106,7 +114,6 @@ def check_snapshot_state(manifest: Manifest, cls: type, snap: SnapshotState) -> 
     torch.optim's element-wise optimizers only (the replayer's list): their state keys do not depend on the
     parameter's shape, and their constructors accept any hyperparameters a run can log. A snapshot captured from a
     live model (``snap.source`` None) is trusted."""
-    from lowdiff.recovery.replayer import ELEMENTWISE_OPTIMIZERS
 
     if snap.source is None or f"{cls.__module__}.{cls.__qualname__}" not in ELEMENTWISE_OPTIMIZERS \
             or allowed_optimizers().get(manifest.optimizer_class) is not cls:

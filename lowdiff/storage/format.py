@@ -1,4 +1,4 @@
-"""The on-disk format in code (docs/reference/FORMAT.md is the normative text). Names, versions, dtypes, value encoding."""
+"""The on-disk format in code (docs/reference/FORMAT.md is the normative text): names, versions, dtypes, values."""
 
 from __future__ import annotations
 

@@ -167,10 +167,10 @@ def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
 
 
 def test_auto_probe_is_broadcast(tmp_path: Path) -> None:
-    """A probe of the writer's interference under DDP (docs/reference/tuner-model.md, section 4): rank 0 starts it and both ranks
-    put its settings in force at the same step (no snapshot, 8 steps per segment, cut at once), then the decision
-    after it; every file is a complete 2-shard set, and nothing is lost: recovery is exact inside the probe, at its
-    end and at the last step."""
+    """A probe of the writer's interference under DDP (docs/reference/tuner-model.md, section 4): rank 0 starts
+    it and both ranks put its settings in force at the same step (no snapshot, 8 steps per segment, cut at once),
+    then the decision after it; every file is a complete 2-shard set, and nothing is lost: recovery is exact
+    inside the probe, at its end and at the last step."""
     from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR
     from lowdiff.tuner import DECISIONS_FILE
 

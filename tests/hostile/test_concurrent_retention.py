@@ -3,7 +3,6 @@ and never a bare FileNotFoundError: recovery lists again and returns an exact st
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 
@@ -11,71 +10,54 @@ import pytest
 from lowdiff_harness import Scenario, Trainer, assert_state_equal, make_model, make_optimizer, train_run
 
 import lowdiff
-from lowdiff.recovery import api
+from lowdiff.errors import FileVanishedError
+from lowdiff.recovery import ReplayOptions
 from lowdiff.storage.format import list_snapshots
 
 SCENARIO = Scenario(model="mlp_bn", optimizer="adamw", compressor="topk", ratio=0.25, every_steps=3, batch_steps=2,
                     scheduler=False)
 
 
-def test_snapshot_deleted_between_listing_and_opening_is_listed_again(tmp_path: Path, monkeypatch) -> None:
+def test_snapshot_deleted_between_listing_and_opening_is_listed_again(tmp_path: Path) -> None:
     refs = train_run(SCENARIO, tmp_path / "run", 8).refs
-    real = api.candidates_for
-    calls = []
+    opened: list[Path] = []
 
-    def listing_then_retention(root, target, exclude):  # type: ignore[no-untyped-def]
-        out = real(root, target, exclude)
-        if not calls:  # retention runs right after the first listing: the chosen snapshot is gone
-            for p in out[1][0].snapshot.paths:
-                p.unlink()
-        calls.append(out)
-        return out
+    def retention_right_after_listing(path: Path) -> None:
+        if not opened:  # retention runs between the first listing and the first open: the chosen snapshot goes
+            path.unlink()
+        opened.append(path)
 
-    monkeypatch.setattr(api, "candidates_for", listing_then_retention)
-    rec = lowdiff.recover(tmp_path / "run", workers=1)
-    assert len(calls) == 2 and rec.report.skipped == []
+    rec = lowdiff.recover(tmp_path / "run", workers=1, options=ReplayOptions(before_read=retention_right_after_listing))
+    assert opened[0].name == "step-0000000006.h5" and rec.report.skipped == []
     assert rec.step == 8 and rec.report.snapshot_step == 3
     assert_state_equal(*refs[8], rec)
 
 
-def test_segment_deleted_while_the_chain_is_replayed(tmp_path: Path, monkeypatch) -> None:
-    """The prefetch thread opens the next segment while the previous one is applied: it may be gone by then."""
+def test_segment_deleted_while_the_chain_is_replayed(tmp_path: Path) -> None:
+    """The prefetch thread opens the next segment while the previous one is applied: it may be gone by then (and
+    back in a new listing, as when compaction rewrites the log)."""
     refs = train_run(SCENARIO, tmp_path / "run", 8).refs
     run = tmp_path / "run"
-    seg = run / "log" / "steps-0000000007-0000000008.h5"
-    kept = tmp_path / "kept.h5"
-    shutil.copyfile(seg, kept)
-    from lowdiff.recovery import replayer
+    gone: list[Path] = []
 
-    real = replayer._read_segment
-    state = {"n": 0}
+    def vanishes_once(path: Path) -> None:
+        if path.name == "steps-0000000007-0000000008.h5" and not gone:
+            gone.append(path)
+            raise FileVanishedError(f"{path} was deleted after it was listed", path=path)
 
-    def vanishing(manifest, s, names, with_buffers):  # type: ignore[no-untyped-def]
-        state["n"] += 1
-        if state["n"] == 1 and s.first == 7:
-            seg.unlink()  # deleted after listing ...
-            try:
-                return real(manifest, s, names, with_buffers)
-            finally:
-                shutil.copyfile(kept, seg)  # ... and the next listing sees the run as it is now
-        return real(manifest, s, names, with_buffers)
-
-    monkeypatch.setattr(replayer, "_read_segment", vanishing)
-    rec = lowdiff.recover(run, workers=1)
-    assert rec.step == 8 and rec.report.skipped == []
+    rec = lowdiff.recover(run, workers=1, options=ReplayOptions(before_read=vanishes_once))
+    assert gone and rec.step == 8 and rec.report.skipped == []
     assert_state_equal(*refs[8], rec)
 
 
-def test_files_that_keep_vanishing_are_a_clear_refusal(tmp_path: Path, monkeypatch) -> None:
+def test_files_that_keep_vanishing_are_a_clear_refusal(tmp_path: Path) -> None:
     train_run(SCENARIO, tmp_path / "run", 4)
-    from lowdiff.errors import FileVanishedError
 
-    def always_gone(*a, **k):  # type: ignore[no-untyped-def]
-        raise FileVanishedError("gone", path=tmp_path / "x")
+    def always_gone(path: Path) -> None:
+        raise FileVanishedError("gone", path=path)
 
-    monkeypatch.setattr(api, "_replay_chain", always_gone)
     with pytest.raises(lowdiff.StepNotAvailableError, match="keep disappearing"):
-        lowdiff.recover(tmp_path / "run", workers=1)
+        lowdiff.recover(tmp_path / "run", workers=1, options=ReplayOptions(before_read=always_gone))
 
 
 def test_recover_alongside_a_trainer_applying_retention(tmp_path: Path) -> None:

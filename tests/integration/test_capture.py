@@ -14,15 +14,8 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, start, to_cpu, train_run
 
 import lowdiff
-import lowdiff.capture
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(autouse=True)
-def _tiny_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The test models are a few KB: stage every gradient in its own bucket so the hooks' copies are used.
-    monkeypatch.setattr(lowdiff.capture, "BUCKET_BYTES", 0)
 
 
 def _recover_every_step(run_dir: Path, refs: dict, steps: int, device: str) -> None:
@@ -51,10 +44,9 @@ def test_capture_plain_backward_is_exact(tmp_path: Path, device: str, capture: s
     _recover_every_step(tmp_path / "run", t.refs, 9, device)
 
 
-def test_partial_bucket_is_left_to_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lowdiff.capture, "BUCKET_BYTES", 1 << 20)  # mlp_bn's gradients never fill a bucket
+def test_partial_bucket_is_left_to_step(tmp_path: Path) -> None:
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="none", capture="layerwise", batch_steps=2,
-                 every_steps=4)
+                 every_steps=4, capture_bucket_bytes=1 << 20)  # mlp_bn's gradients never fill a bucket
     t = train_run(s, tmp_path / "run", 6, close=False)
     lw = t.opt.stats.layerwise
     assert lw is not None and lw.active and lw.hits == 0 and lw.misses == 0

@@ -140,7 +140,7 @@ def test_after_a_failure_the_log_resumes_at_the_next_snapshot(
         assert_state_equal(*reference[k], rec)
 
 
-def test_failed_snapshot_write_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk, reference) -> None:
+def test_failed_snapshot_write_is_reported(tmp_path: Path, disk: _Disk, reference) -> None:
     run_dir = tmp_path / "run"
     scenario = Scenario(**{**SCENARIO.to_dict(), "every_steps": 6})
     t = start(scenario, run_dir)
@@ -178,7 +178,8 @@ def test_failed_manifest_write_at_wrap_is_a_checkpoint_write_error(
         start(SCENARIO, run_dir, resume=False)
 
 
-def test_step_that_raises_a_write_error_was_not_applied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
+def test_step_that_raises_a_write_error_was_not_applied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: _Disk) -> None:
     t = start(Scenario(**{**SCENARIO.to_dict(), "scheduler": False}), tmp_path / "run")
     t.train(1, 4)
     t.opt.flush()

@@ -13,7 +13,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
-from lowdiff.recovery import procs, replayer
+from lowdiff.recovery import ReplayOptions, procs
 
 SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
                     batch_steps=3, every_steps=4)
@@ -42,22 +42,20 @@ def test_another_thread_in_the_process_means_one_process(run) -> None:
     assert lowdiff.recover(root, step=7, workers=2).report.mode == "parallel"
 
 
-def test_a_worker_process_that_dies_is_an_error_not_a_wrong_state(run, monkeypatch: pytest.MonkeyPatch) -> None:
-    def killed(*args, **kwargs):
+def test_a_worker_process_that_dies_is_an_error_not_a_wrong_state(run) -> None:
+    def killed(index: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    monkeypatch.setattr(replayer, "_replay_share", killed)
     with pytest.raises(RuntimeError, match=r"replay worker process 1 .* died \(killed by signal 9\)"):
-        lowdiff.recover(run[0], workers=2)
+        lowdiff.recover(run[0], workers=2, options=ReplayOptions(on_worker_start=killed))
 
 
-def test_a_worker_process_error_is_raised_in_the_caller(run, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fails(*args, **kwargs):
+def test_a_worker_process_error_is_raised_in_the_caller(run) -> None:
+    def fails(index: int) -> None:
         raise lowdiff.UnsupportedError("no such thing in this share")
 
-    monkeypatch.setattr(replayer, "_replay_share", fails)
     with pytest.raises(lowdiff.UnsupportedError, match="no such thing"):
-        lowdiff.recover(run[0], workers=2)
+        lowdiff.recover(run[0], workers=2, options=ReplayOptions(on_worker_start=fails))
 
 
 @pytest.mark.parametrize("workers", [2, 5, 64])
@@ -93,12 +91,11 @@ def test_default_is_one_worker_per_cpu(run) -> None:
     assert_state_equal(*refs[9], rec)
 
 
-def test_state_created_mid_replay_in_a_tensor_split_over_workers(run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_created_mid_replay_in_a_tensor_split_over_workers(run) -> None:
     """head_b gets its first gradient at step 2, after the fork: its optimizer state is born in per-chunk pieces in
     several processes (4-element chunks split it over all three) and must be joined exactly at the end."""
     root, refs = run
-    monkeypatch.setattr(replayer, "CHUNK_ELEMS", 4)
     for target in (1, 2, 9):
-        rec = lowdiff.recover(root, step=target, workers=3)
+        rec = lowdiff.recover(root, step=target, workers=3, options=ReplayOptions(chunk_elems=4))
         assert rec.report.workers == 3 or target == 1
         assert_state_equal(*refs[target], rec)

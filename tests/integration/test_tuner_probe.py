@@ -1,6 +1,6 @@
-"""The tuner's probe of the writer's interference (issue #7, docs/reference/tuner-model.md section 4) in a real training run:
-auto settings, a tiny MTBF, a writer busy at every step. The tuner probes (no snapshot and 8 steps per segment for
-24 steps), measures alpha and re-solves; the decision log records the probe; nothing is lost."""
+"""The tuner's probe of the writer's interference (issue #7, docs/reference/tuner-model.md section 4) in a real
+training run: auto settings, a tiny MTBF, a writer busy at every step. The tuner probes (no snapshot and 8 steps
+per segment for 24 steps), measures alpha and re-solves; the decision log records the probe; nothing is lost."""
 
 from __future__ import annotations
 

@@ -12,25 +12,28 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, loss_for, make_model, train_run
 
 import lowdiff
-from lowdiff.recovery import replayer
+from lowdiff.recovery import ReplayOptions
+from lowdiff.recovery.exact_sqrt import FastSqrtState, exact_sqrt
+
+TINY = ReplayOptions(chunk_elems=64, sqrt_min_elems=1)
+"""Chunks that split every tensor of the test models, as 64 K chunks split a real model's."""
 
 
 @pytest.fixture
-def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replayer, "CHUNK_ELEMS", 64)
-    monkeypatch.setattr(replayer, "_SQRT_MIN_ELEMS", 1)
+def tiny_chunks() -> ReplayOptions:
+    return TINY
 
 
 @pytest.mark.parametrize("compressor", ["topk", "powersgd", "none"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd_nesterov"])
-def test_chunked_replay_is_exact_with_one_and_three_workers(tmp_path: Path, tiny_chunks: None, compressor: str,
+def test_chunked_replay_is_exact_with_one_and_three_workers(tmp_path: Path, tiny_chunks: ReplayOptions, compressor: str,
                                                              optimizer: str) -> None:
     scenario = Scenario(model="frozen", optimizer=optimizer, groups=2, scheduler=True, clip=True,
                         compressor=compressor, ratio=0.25, batch_steps=3, every_steps=5)
     t = train_run(scenario, tmp_path / "run", 9)
     for target in (3, 9):  # from the step-0 snapshot (lazily created state), and from the step-5 one
         for workers in (1, 3):
-            rec = lowdiff.recover(tmp_path / "run", step=target, workers=workers)
+            rec = lowdiff.recover(tmp_path / "run", step=target, workers=workers, options=tiny_chunks)
             assert rec.report.workers == workers
             assert_state_equal(*t.refs[target], rec)
 
@@ -49,7 +52,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_every_elementwise_optimizer_replays_exactly_in_chunks(tmp_path: Path, tiny_chunks: None,
+def test_every_elementwise_optimizer_replays_exactly_in_chunks(tmp_path: Path, tiny_chunks: ReplayOptions,
                                                                kind: str) -> None:
     model = make_model("mlp_bn", 0)
     inner = OPTIMIZERS[kind](model.parameters())
@@ -66,7 +69,7 @@ def test_every_elementwise_optimizer_replays_exactly_in_chunks(tmp_path: Path, t
     opt.close()
     for k in (3, 7):
         for workers in (1, 2):
-            rec = lowdiff.recover(tmp_path / "run", step=k, workers=workers)
+            rec = lowdiff.recover(tmp_path / "run", step=k, workers=workers, options=tiny_chunks)
             assert rec.report.mode == ("parallel" if workers > 1 else "sequential")
             assert_state_equal(*refs[k], rec)
 
@@ -97,11 +100,11 @@ def test_exact_sqrt_matches_torch_sqrt_bit_for_bit() -> None:
     for x in cases:
         for off, length in ((0, n), (1, n - 1), (13, 4099), (4096, 300)):
             v = x[off:off + length]
-            assert torch.equal(_bits(replayer.exact_sqrt(v)), _bits(v.sqrt()))
+            assert torch.equal(_bits(exact_sqrt(v)), _bits(v.sqrt()))
     # Tensors of the optimizer state come wrapped; their .sqrt() is exact_sqrt, everything else plain torch.
-    w = cases[3].clone().as_subclass(replayer._FastSqrtState)
+    w = cases[3].clone().as_subclass(FastSqrtState)
     assert torch.equal(_bits(w.sqrt()), _bits(cases[3].sqrt()))
-    assert type(w.mul_(2.0)) is replayer._FastSqrtState and type(w * 2) is torch.Tensor
+    assert type(w.mul_(2.0)) is FastSqrtState and type(w * 2) is torch.Tensor
 
 
 def test_elements_do_not_influence_each_others_sqrt() -> None:
