@@ -6,7 +6,6 @@ Errors a user can act on print one line and exit non-zero, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,10 +15,7 @@ import torch
 
 from lowdiff.errors import LowDiffError
 from lowdiff.recovery.api import recover
-from lowdiff.storage.format import list_segments, list_snapshots
-from lowdiff.storage.log_reader import chains
-from lowdiff.storage.manifest import read_manifest
-from lowdiff.tuner import DECISIONS_FILE, format_decisions
+from lowdiff.recovery.run_info import inspect
 
 
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
@@ -56,42 +52,8 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    root = Path(args.run_dir)
-    m = read_manifest(root)
-    nparams = sum(p.numel for p in m.params)
-    cfg = m.config
-    print(f"run {root}")
-    print(f"  model: {len(m.params)} parameters ({nparams:,} elements), {len(m.buffers)} buffers")
-    print(f"  optimizer: {m.optimizer_class}, {len(m.param_groups)} group(s)")
-    comp = cfg.get("compressor", {})
-    print(f"  compressor: {comp.get('name')} (ratio {comp.get('ratio')}, rank {comp.get('rank')}); "
-          f"codec {cfg.get('log', {}).get('codec')}")
-    snaps = list_snapshots(root)
-    segs = list_segments(root)
-    snap_bytes = sum(f.nbytes for f in snaps.values())
-    log_bytes = sum(f.nbytes for _, _, f in segs)
-    print(f"  snapshots: {len(snaps)} at steps {_ranges(list(snaps))} ({snap_bytes / 1e6:.2f} MB)")
-    if segs:
-        print(f"  log: {len(segs)} segments, steps {segs[0][0]}..{segs[-1][1]} ({log_bytes / 1e6:.2f} MB, "
-              f"{log_bytes / max(1, segs[-1][1] - segs[0][0] + 1) / 1e3:.1f} kB/step)")
-    else:
-        print("  log: empty")
-    cs = chains(root)
-    if cs:
-        print(f"  latest recoverable step: {max(c.end for c in cs)}")
-    decisions = root / DECISIONS_FILE
-    if decisions.is_file():
-        try:
-            print("  tuner decisions:\n" + format_decisions(json.loads(decisions.read_text())["decisions"]))
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"  tuner decisions: unreadable {decisions.name} ({e})")
+    print(inspect(args.run_dir).summary())
     return 0
-
-
-def _ranges(steps: list[int]) -> str:
-    if len(steps) <= 6:
-        return ", ".join(map(str, steps)) or "-"
-    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}"
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

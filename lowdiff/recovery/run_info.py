@@ -1,0 +1,93 @@
+"""``lowdiff.inspect``: what a run directory holds, without replaying anything."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.storage.log_reader import chains
+from lowdiff.storage.manifest import Manifest, read_manifest
+from lowdiff.storage.run_dir import DECISIONS_FILE
+from lowdiff.tuner.solve import format_decisions
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A summary of a run directory (:func:`inspect`). Step ranges come from file names: ``latest_step`` assumes
+    the files are intact (:func:`lowdiff.verify` checks that)."""
+
+    run_dir: Path
+    manifest: Manifest
+    snapshot_steps: list[int]
+    snapshot_bytes: int
+    segments: list[tuple[int, int]]
+    """(first step, last step) of each committed segment, in order."""
+    log_bytes: int
+    latest_step: int | None
+    """The newest step a snapshot and a contiguous log reach (None: no snapshot)."""
+    tuner_decisions: list[dict[str, Any]] = field(default_factory=list)
+    tuner_error: str | None = None
+    """Why ``tuner.json`` could not be read (None: read, or absent)."""
+
+    def summary(self) -> str:
+        m, cfg = self.manifest, self.manifest.config
+        comp = cfg.get("compressor", {})
+        lines = [
+            f"run {self.run_dir}",
+            f"  model: {len(m.params)} parameters ({sum(p.numel for p in m.params):,} elements), "
+            f"{len(m.buffers)} buffers",
+            f"  optimizer: {m.optimizer_class}, {len(m.param_groups)} group(s)",
+            f"  compressor: {comp.get('name')} (ratio {comp.get('ratio')}, rank {comp.get('rank')}); "
+            f"codec {cfg.get('log', {}).get('codec')}",
+            f"  snapshots: {len(self.snapshot_steps)} at steps {_ranges(self.snapshot_steps)} "
+            f"({self.snapshot_bytes / 1e6:.2f} MB)",
+        ]
+        if self.segments:
+            first, last = self.segments[0][0], self.segments[-1][1]
+            lines.append(f"  log: {len(self.segments)} segments, steps {first}..{last} ({self.log_bytes / 1e6:.2f} MB, "
+                         f"{self.log_bytes / max(1, last - first + 1) / 1e3:.1f} kB/step)")
+        else:
+            lines.append("  log: empty")
+        if self.latest_step is not None:
+            lines.append(f"  latest recoverable step: {self.latest_step}")
+        if self.tuner_error is not None:
+            lines.append(f"  tuner decisions: unreadable {DECISIONS_FILE} ({self.tuner_error})")
+        elif self.tuner_decisions:
+            lines.append("  tuner decisions:\n" + format_decisions(self.tuner_decisions))
+        return "\n".join(lines)
+
+
+def inspect(run_dir: str | os.PathLike[str]) -> RunInfo:
+    """Summarize ``run_dir``: model, optimizer, compressor, snapshots, log, latest recoverable step, tuner
+    decisions. Reads the manifest and file names only (fast on any size of run).
+
+    >>> print(lowdiff.inspect("runs/exp1").summary())   # doctest: +SKIP
+    """
+    root = Path(run_dir)
+    manifest = read_manifest(root)
+    snaps = list_snapshots(root)
+    segs = list_segments(root)
+    cs = chains(root)
+    decisions: list[dict[str, Any]] = []
+    error = None
+    path = root / DECISIONS_FILE
+    if path.is_file():
+        try:
+            decisions = list(json.loads(path.read_text())["decisions"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            error = str(e)
+    return RunInfo(run_dir=root, manifest=manifest, snapshot_steps=sorted(snaps),
+                   snapshot_bytes=sum(f.nbytes for f in snaps.values()),
+                   segments=[(a, b) for a, b, _ in segs], log_bytes=sum(f.nbytes for _, _, f in segs),
+                   latest_step=max(c.end for c in cs) if cs else None, tuner_decisions=decisions,
+                   tuner_error=error)
+
+
+def _ranges(steps: list[int]) -> str:
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps)) or "-"
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}"
