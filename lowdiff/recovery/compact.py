@@ -11,10 +11,9 @@ from lowdiff.config import resolve_codec
 from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
 from lowdiff.storage.format import encode_value, list_snapshots
-from lowdiff.storage.lock import WriterLock
 from lowdiff.storage.manifest import Manifest, read_manifest
-from lowdiff.storage.retention import apply_retention
-from lowdiff.storage.snapshot import SnapshotState, write_snapshot
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir
+from lowdiff.storage.snapshot import SnapshotState
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +34,21 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     """
     root = Path(run_dir)
     manifest = read_manifest(root)
-    lock = WriterLock(root)
+    run = RunDir(root)
+    run.open()  # the writer lock: refuses to run beside a live trainer
     try:
+        run.run_id = manifest.run_id
         rec = recover(root, step=step, workers=workers)
         wrote = False
         if rec.step not in list_snapshots(root):
             codec = codec or resolve_codec(str(manifest.config.get("log", {}).get("codec", "auto")),
                                            str(manifest.config.get("compressor", {}).get("name", "none")))
-            write_snapshot(root, snapshot_from_recovered(manifest, rec), codec, run_id=manifest.run_id)
+            run.write_snapshot(snapshot_from_recovered(manifest, rec), codec)
             wrote = True
-        removed = apply_retention(root, keep) if keep else []
+        removed = run.apply_retention(RetentionPolicy(keep)) if keep else []
         return CompactResult(step=rec.step, wrote_snapshot=wrote, removed=removed)
     finally:
-        lock.release()
+        run.release()
 
 
 def snapshot_from_recovered(manifest: Manifest, rec: Recovered) -> SnapshotState:
