@@ -651,7 +651,8 @@ def _markdown(doc: dict[str, Any]) -> str:
         "Costs measured on this machine with real lowdiff writes and a real replay; the job is simulated",
         f"(discrete events, Poisson failures, jobs of {doc['job_steps']:,} steps repeated to ~{doc['failures']:,} "
         "failures per policy, common random numbers). Protocol: the docstring of bench/tuner.py; model: "
-        "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time (95 % interval of the simulation).",
+        "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time "
+        "(95 % interval of the simulation).",
         "",
         "## Measured costs",
         "",
