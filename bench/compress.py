@@ -6,8 +6,8 @@ so machine drift cancels; medians are reported, next to the median of plain trai
 clipping, AdamW) measured in the same rounds. ``torch.topk`` is the selection the issue names as too slow
 (exact top-k of |g| per tensor, indices sorted, no error feedback or decode: a lower bound on its cost).
 
-    python bench/compress.py                       # 49.5M GPT: bench/results/compress.json, docs/measurements/compress.md
-    python bench/compress.py --smoke               # seconds
+    python bench/compress.py            # 49.5M GPT: bench/results/compress.json, docs/measurements/compress.md
+    python bench/compress.py --smoke    # seconds
 """
 
 from __future__ import annotations

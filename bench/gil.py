@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, median, train_step, write_json  # noqa: E402
 
 from lowdiff.staging import Staged  # noqa: E402
-from lowdiff.storage import container  # noqa: E402
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir  # noqa: E402
 from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff.storage.trailer import crc32  # noqa: E402
 from lowdiff.writer import BackgroundWriter  # noqa: E402
 
 GROUPS = [{"lr": 3e-4}]
@@ -478,8 +478,7 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.window, args.probe_rounds, args.probe_seconds = 2, 2, 2, 0.3
     info = machine_info()
-    crc = container._crc32  # the CRC-32 implementation the writer uses (isal, zlib-ng or zlib)
-    info["crc32"] = f"{crc.__module__}.{crc.__name__}"
+    info["crc32"] = f"{crc32.__module__}.{crc32.__name__}"  # the CRC-32 the writer uses (isal, zlib-ng or zlib)
     info["switchinterval_s"] = sys.getswitchinterval()
     print(f"gil.py: {spec}; crc32 {info['crc32']}; load {info['loadavg_start']}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="lowdiff-gil-"))

@@ -55,11 +55,11 @@ import torch  # noqa: E402
 from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, pyplot, train_step, write_json  # noqa: E402
 
 import lowdiff  # noqa: E402
-import lowdiff.storage.atomic as atomic_mod  # noqa: E402
 from lowdiff.compressors.topk import k_for  # noqa: E402
 from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR  # noqa: E402
 from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot  # noqa: E402
+from lowdiff.testing import intercept_writes, real_pwritev  # noqa: E402
 from lowdiff.tuner import (  # noqa: E402
     Costs,
     Limits,
@@ -138,8 +138,8 @@ def measure_model(spec: ModelSpec, steps: int) -> dict[str, Any]:
 class Disk:
     base: Path
     throttle_bytes_per_s: float = 0.0
-    """> 0: every byte lowdiff commits goes through a write limited to this rate (lowdiff's fault-injection
-    seam in lowdiff.storage.atomic), emulating a network disk on top of ``base``."""
+    """> 0: every byte lowdiff commits goes through a write limited to this rate (lowdiff.testing.intercept_writes,
+    the seam every committed byte passes), emulating a network disk on top of ``base``."""
 
 
 @contextlib.contextmanager
@@ -147,20 +147,14 @@ def _on(disk: Disk) -> Iterator[None]:
     if disk.throttle_bytes_per_s <= 0:
         yield
         return
-    # The seam's name follows the storage code (os.pwritev today, os.pwrite before); both return bytes written.
-    seam = "_pwritev" if hasattr(atomic_mod, "_pwritev") else "_pwrite"
-    real = getattr(atomic_mod, seam)
 
     def throttled(fd: int, data: Any, offset: int) -> int:
-        n = real(fd, data, offset)
+        n = real_pwritev(fd, data, offset)
         time.sleep(n / disk.throttle_bytes_per_s)
         return int(n)
 
-    setattr(atomic_mod, seam, throttled)
-    try:
+    with intercept_writes(pwritev=throttled):
         yield
-    finally:
-        setattr(atomic_mod, seam, real)
 
 
 def _interference(m: dict[str, Any], runs: dict[str, tuple[Path, Disk]], rounds: int, steps: int,
@@ -657,7 +651,8 @@ def _markdown(doc: dict[str, Any]) -> str:
         "Costs measured on this machine with real lowdiff writes and a real replay; the job is simulated",
         f"(discrete events, Poisson failures, jobs of {doc['job_steps']:,} steps repeated to ~{doc['failures']:,} "
         "failures per policy, common random numbers). Protocol: the docstring of bench/tuner.py; model: "
-        "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time (95 % interval of the simulation).",
+        "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time "
+        "(95 % interval of the simulation).",
         "",
         "## Measured costs",
         "",

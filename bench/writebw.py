@@ -8,9 +8,10 @@ repetitions of:
 - ``raw+commit``: the same plus the rename and directory fsync the format's atomic commit rule requires (the floor
   for any conforming writer).
 
-Medians; ``lowdiff / raw`` is raw time over lowdiff time. A second, instrumented pass splits lowdiff's time into
-phases (CRC of the entries, the bulk pwritev, fsync of the file, rename + directory fsync, the metadata CRC of the
-trailer, and the rest: Python per-entry work, JSON index, HDF5 metadata) and reports the writer thread's CPU time.
+Medians; ``lowdiff / raw`` is raw time over lowdiff time. A second pass, timestamped through lowdiff's write seam
+(``lowdiff.testing.intercept_writes``), splits lowdiff's time into phases (CRC of the entries, timed apart over the
+same bytes; the pwritev calls; the metadata CRC of the trailer; fsync of the file; rename + directory fsync; and the
+rest: Python per-entry work, JSON index, HDF5 metadata) and reports the writer thread's CPU time.
 
     python bench/writebw.py [--reps 9] [--out DIR]
 """
@@ -41,8 +42,10 @@ from _common import (  # noqa: E402
 )
 
 from lowdiff.compressors import make_compressor  # noqa: E402
-from lowdiff.storage import atomic, container  # noqa: E402
+from lowdiff.storage import atomic  # noqa: E402
 from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff.storage.trailer import crc32  # noqa: E402
+from lowdiff.testing import intercept_writes, real_pwritev  # noqa: E402
 
 
 def gradients(spec: Any) -> dict[str, torch.Tensor]:
@@ -72,37 +75,61 @@ def raw_write(path: Path, data: bytes, commit: bool) -> None:
 
 
 class Phases:
-    """Wraps the storage functions write_segment calls and adds up wall time per phase (bench-only patching)."""
+    """Splits one ``write_segment`` call into phases by the timestamps lowdiff's write seam gives
+    (``lowdiff.testing.intercept_writes``: every gathered write and the start of every atomic commit), in the order
+    ``write_container`` works: entries (CRC-32 with codec none), JSON index and HDF5 structure; ``pwritev`` of the
+    data; the trailer (a CRC-32 of the HDF5 metadata); ``pwritev`` of the trailer; fsync of the file; the commit
+    (rename, directory fsync). The CRC-32 of the entries runs before the first write, among Python work, so it is
+    timed apart: the same CRC-32 function over the same bytes (:func:`entry_crc_s`)."""
 
     def __init__(self) -> None:
-        self.t: dict[str, float] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
+        self.writes: list[tuple[float, float]] = []
+        self.commit_at = 0.0
+        self.t0 = self.t1 = 0.0
+        self._seam = intercept_writes(pwritev=self._pwritev, before_commit=self._before_commit)
 
-    def _wrap(self, owner: Any, attr: str, phase: str) -> None:
-        fn = getattr(owner, attr)
-        self._saved.append((owner, attr, fn))
+    def _pwritev(self, fd: int, buffers: list[Any], offset: int) -> int:
+        t0 = time.perf_counter()
+        n = real_pwritev(fd, buffers, offset)
+        self.writes.append((t0, time.perf_counter()))
+        return n
 
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[phase] = self.t.get(phase, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
+    def _before_commit(self, path: Path) -> None:
+        self.commit_at = time.perf_counter()
 
     def __enter__(self) -> Phases:
-        self._wrap(container, "_crc32", "crc32")
-        self._wrap(atomic, "_pwritev", "pwritev")
-        self._wrap(os, "fsync", "fsync (file; dir in commit)")
-        self._wrap(os, "replace", "rename")
-        self._wrap(atomic, "fsync_dir", "dir fsync")
-        self._wrap(container, "_meta_crc", "trailer metadata crc")
+        self._seam.__enter__()
+        self.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for owner, attr, fn in reversed(self._saved):
-            setattr(owner, attr, fn)
+    def __exit__(self, *exc: Any) -> None:
+        self.t1 = time.perf_counter()
+        self._seam.__exit__(*exc)
+
+    def split(self, crc_s: float) -> dict[str, float]:
+        """Seconds per phase (``crc_s``: the entries' CRC-32, timed apart); "rest" is what none of them covers."""
+        *data, trailer = self.writes  # the trailer is written last, after the data
+        out = {"crc32": crc_s, "pwritev": sum(end - start for start, end in self.writes),
+               "trailer metadata crc": trailer[0] - data[-1][1] if data else 0.0,
+               "fsync (file)": self.commit_at - trailer[1], "rename + dir fsync": self.t1 - self.commit_at,
+               "total": self.t1 - self.t0}
+        out["rest (python, json, hdf5)"] = out["total"] - sum(v for k, v in out.items() if k != "total")
+        return out
+
+
+def entry_crc_s(recs: list[StepRecord]) -> float:
+    """The CRC-32 ``write_segment`` computes over the payload of ``recs`` with codec none, timed apart: one call per
+    column of concatenated pieces (as the container does with small pieces), with lowdiff's CRC-32 function."""
+    columns: dict[tuple[str, str], list[torch.Tensor]] = {}
+    for r in recs:
+        for pname, payload in r.grads.items():
+            for fname, t in payload.items():
+                columns.setdefault((pname, fname), []).append(t.reshape(-1))
+    views = [memoryview(torch.cat(ts).view(torch.uint8).numpy()) for ts in columns.values()]
+    t0 = time.perf_counter()
+    for v in views:
+        crc32(v)
+    return time.perf_counter() - t0
 
 
 def measure(recs: list[StepRecord], work: Path, reps: int) -> dict[str, Any]:
@@ -136,11 +163,9 @@ def measure(recs: list[StepRecord], work: Path, reps: int) -> dict[str, Any]:
     phase_runs: list[dict[str, float]] = []
     for _ in range(max(3, reps // 2)):
         with Phases() as ph:
-            wall, _, _ = lowdiff_once()
-        ph.t["total"] = wall
-        phase_runs.append(dict(ph.t))
-    phases = {k: median([r.get(k, 0.0) for r in phase_runs]) for k in phase_runs[0]}
-    phases["rest (python, json, hdf5)"] = phases["total"] - sum(v for k, v in phases.items() if k != "total")
+            lowdiff_once()
+        phase_runs.append(ph.split(entry_crc_s(recs)))
+    phases = {k: median([r[k] for r in phase_runs]) for k in phase_runs[0]}
     lo, raw, rawc = median(samples["lowdiff"]), median(samples["raw"]), median(samples["raw+commit"])
     return {"segment_bytes": size, "steps": len(recs), "lowdiff_s": lo, "raw_s": raw, "raw_commit_s": rawc,
             "lowdiff_MBps": mb(size) / lo, "raw_MBps": mb(size) / raw, "raw_commit_MBps": mb(size) / rawc,
@@ -160,8 +185,7 @@ def main() -> None:
     spec = SMOKE_MODEL if args.smoke else FULL_MODEL
     reps = 2 if args.smoke else args.reps
     info = machine_info()
-    crc = container._crc32  # the CRC-32 implementation the writer uses (isal, zlib-ng or zlib)
-    info["crc32"] = f"{crc.__module__}.{crc.__name__}"
+    info["crc32"] = f"{crc32.__module__}.{crc32.__name__}"  # the CRC-32 the writer uses (isal, zlib-ng or zlib)
     grads = gradients(spec)
     work = Path(tempfile.mkdtemp(prefix="writebw-", dir=args.work))
     out: dict[str, Any] = {"machine": info, "reps": reps, "cases": {}}
