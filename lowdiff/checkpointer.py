@@ -175,6 +175,18 @@ class Checkpointer:
         if cut is not None:
             writer.set_batch_steps(cut)
 
+    def report_backpressure(self, step: int, reported_s: float, every_s: float) -> float:
+        """Warn when training has waited for the writer (the disk is slower than the log grows), at most once per
+        ``every_s`` of added waiting; returns the waiting reported so far."""
+        st = self.writer_stats
+        if st.blocked_s - reported_s < every_s:
+            return reported_s
+        mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
+        log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
+                    "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
+                    "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
+        return st.blocked_s
+
     def check(self) -> None:
         """Raise (or warn about) a failure of the background writer in the calling thread."""
         if self._writer is None:

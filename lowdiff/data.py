@@ -79,7 +79,14 @@ class _PositionedSampler(Sampler[int]):
         """The offset after ``consumed`` of the indices an iteration starting at ``start`` yields."""
         return min(start + consumed * self.replicas_per_step, max(self.epoch_samples, start))
 
+    def _roll_over(self) -> None:
+        """A fully consumed epoch is the start of the next one (a consumer that stops after ``len()`` items never
+        resumes the iterator past its last item, so the end-of-epoch code below would not run)."""
+        if 0 < self.epoch_samples <= self.offset:
+            self.epoch, self.offset = self.epoch + 1, 0
+
     def __iter__(self) -> Iterator[int]:
+        self._roll_over()
         epoch, start = self.epoch, self.offset
         for i, index in enumerate(self._local()):
             # Counted before the index is handed out: after fetching batch b, offset = b x batch_size.
@@ -227,7 +234,7 @@ class ResumableLoader(Generic[T]):
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to (after a completed epoch: the next one)."""
-        return self._epoch
+        return self._epoch + 1 if 0 < self.sampler.epoch_samples <= self._offset else self._epoch
 
     @property
     def offset(self) -> int:
@@ -245,6 +252,8 @@ class ResumableLoader(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         s = self.sampler
         s.epoch, s.offset = self._epoch, self._offset
+        s._roll_over()  # an epoch consumed to its last batch but not to StopIteration (Lightning stops at len())
+        self._epoch, self._offset = s.epoch, s.offset
         start, epoch = self._offset, self._epoch
         remaining = s.remaining()
         if self._generator is not None:
@@ -265,18 +274,3 @@ class ResumableLoader(Generic[T]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._epoch, self._offset = self.sampler.epoch, self.sampler.offset
-
-
-def positions_of(tracked: Mapping[str, Any]) -> dict[str, Any]:
-    """Every tracked object's ``state_dict()`` by name: the data positions logged with a step."""
-    return {name: obj.state_dict() for name, obj in tracked.items()}
-
-
-def restore_positions(tracked: Mapping[str, Any], positions: Mapping[str, Any], step: int) -> None:
-    """What ``opt.resume()`` does: ``load_state_dict`` each tracked object's position logged at ``step``."""
-    for name, obj in tracked.items():
-        if name in positions:
-            obj.load_state_dict(positions[name])
-        elif step > 0:
-            log.warning("lowdiff: no data position %r was logged at step %d; %s starts where it is now",
-                        name, step, type(obj).__name__)

@@ -113,3 +113,19 @@ class Coordinator:
             raise LowDiffError(f"rank {self.rank}: broadcast '{what}' failed ({e}); a rank is gone or stuck. "
                                "Restart the job and resume with opt.resume()") from e
         return [int(v) for v in t.tolist()]
+
+
+def owned_names(spec: Any, coord: Coordinator, size_of: Any) -> set[str]:
+    """Parameter names this rank persists, a share balanced by ``size_of`` (snapshots: tensor bytes; log: the
+    compressor's payload bytes, which are not proportional to them); rank 0 also keeps the parameters no optimizer
+    group holds (buffers are rank 0's too)."""
+    from lowdiff.storage.sharding import partition_by_size
+
+    all_names = set(spec.params)
+    if coord.world_size == 1:
+        return all_names
+    sizes = {n: size_of(p) for n, p in spec.optimized}
+    owned = set(partition_by_size(sizes, coord.world_size)[coord.rank])
+    if coord.rank == 0:
+        owned |= all_names - set(sizes)
+    return owned

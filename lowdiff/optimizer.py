@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -19,28 +17,58 @@ from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
 from lowdiff.compressors import make_compressor
 from lowdiff.config import Config, load_config, resolve_codec
-from lowdiff.data import restore_positions
-from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook
+from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook, owned_names
 from lowdiff.errors import LowDiffError, UnsupportedError
+from lowdiff.iteration import AT_STEP, IterationEnd, Pending, Tracker, is_grad_scaler
+from lowdiff.lifecycle import (
+    OPEN,
+    hook_scaler_update,
+    init_hook_dicts,
+    record_bytes_bound,
+    refuse_reevaluating,
+    release,
+    same_state,
+    same_tensor,
+    wants_layerwise,
+)
 from lowdiff.model_spec import describe, unwrap_model
-from lowdiff.recovery import recover
-from lowdiff.shadow import ShadowReplica
+from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume
+from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
 from lowdiff.staging import HostCopier
-from lowdiff.storage.format import Shard, encode_value
+from lowdiff.storage.format import Shard
 from lowdiff.storage.run_dir import RunDir
-from lowdiff.storage.sharding import partition_by_size
 from lowdiff.storage.snapshot import SnapshotState
 
 log = logging.getLogger(__name__)
 
-class LowDiffOptimizer:
+@dataclasses.dataclass
+class _LoopState:
+    """The wrapper's mutable state, in one object: shallow copies of the wrapper (Lightning's LightningOptimizer
+    copies its ``__dict__``) then see the same values."""
+
+    step: int = 0
+    """The last logged iteration: optimizer steps plus iterations a tracked GradScaler skipped."""
+    closed: bool = False
+    needs_resume: bool = False
+    stepped: bool = False
+    """Whether the current iteration has run its optimizer step (reset by a tracked GradScaler's update())."""
+    blocked_reported: float = 0.0
+    """Back-pressure already reported, seconds."""
+
+
+class LowDiffOptimizer(torch.optim.Optimizer):
     """Drop-in for the wrapped optimizer: ``step``, ``zero_grad``, ``param_groups`` and ``state`` behave as the
-    inner optimizer's; every ``step`` is also logged. Build it with :func:`lowdiff.wrap`."""
+    inner optimizer's; every ``step`` is also logged. Build it with :func:`lowdiff.wrap`.
+
+    A ``torch.optim.Optimizer`` (LR schedulers, GradScaler, Lightning and accelerate accept it), whose parameter
+    groups, state and defaults are the inner optimizer's own objects."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, config: Config) -> None:
+        init_hook_dicts(self)  # not Optimizer.__init__: param_groups, state and defaults are the inner optimizer's
         if isinstance(optimizer, LowDiffOptimizer):
             raise LowDiffError("this optimizer is already wrapped by lowdiff")
+        refuse_reevaluating(optimizer)
         self.inner = optimizer
         self.model = unwrap_model(model)
         self.config = config
@@ -57,31 +85,32 @@ class LowDiffOptimizer:
             except RuntimeError as e:
                 raise LowDiffError(f"cannot install lowdiff's DDP communication hook ({e}); lowdiff brings its own "
                                    "compression hook: do not register another one") from e
-        self._owned = self._owned_names(self._state_nbytes)
-        self._owned_log = self._owned_names(self._payload_nbytes)
+        # This rank's share of what is persisted: snapshots balanced by tensor bytes, the log by payload bytes.
+        self._owned = owned_names(self._spec, self._coord, lambda p: p.numel() * p.element_size())
+        self._owned_log = owned_names(self._spec, self._coord,
+                                      lambda p: self.compressor.payload_nbytes(tuple(p.shape), p.element_size()))
         self._leader = self._coord.rank == 0
-        self._step = 0
-        self._closed = False
-        self._needs_resume = False
-        self._tracked: dict[str, Any] = {}
-        self._blocked_reported = 0.0  # back-pressure already reported, seconds
+        self._loop = _LoopState()
+        self._tracker = Tracker()
         copier = HostCopier(self._spec.params.values())
         layerwise: LayerwiseCapture | None = None
-        if config.enabled and cc.name == "none" and self._hook is None and _wants_layerwise(config):
+        if config.enabled and cc.name == "none" and self._hook is None and wants_layerwise(config):
             layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log], copier,
                                          bucket_bytes=config.log.capture_bucket_bytes)
         self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
-                              leader=self._leader, tracked=self._tracked, layerwise=layerwise)
+                              leader=self._leader, per_rank=self._coord.world_size > 1, layerwise=layerwise)
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
+        self._iteration: IterationEnd | None = None
         if config.enabled:
             run_dir = RunDir(config.run_dir, Shard(self._coord.rank, self._coord.world_size),
                              compressor_params={"ratio": cc.ratio, "rank": cc.rank})
             self._run_dir = run_dir
             try:
                 policy = make_policy(config, run_dir, self._coord,
-                                     _record_bytes_bound(self._spec.optimized, cc))
+                                     record_bytes_bound(self._spec.optimized, cc))
                 self._checkpointer = Checkpointer(config, run_dir, policy)
+                self._iteration = IterationEnd(self._tracker, optimizer, self._checkpointer)
                 self._open_run_dir(run_dir)
             except BaseException:
                 run_dir.release()  # a failed wrap must not keep the run directory locked
@@ -91,23 +120,24 @@ class LowDiffOptimizer:
             # close() at interpreter exit, or when the wrapper is garbage-collected unclosed: a script that ends
             # without close() would otherwise lose the steps of its last partial segment, and the writer thread
             # (a daemon) could be torn down in the middle of a write ("terminate called without an active
-            # exception", exit status 134). Holds the checkpointer and the hooks, never the wrapper itself.
-            self._release = weakref.finalize(self, _release, self._checkpointer, layerwise)
+            # exception", exit status 134). Holds the checkpointer, the hooks and the iteration in progress, never
+            # the wrapper itself.
+            self._release = weakref.finalize(self, release, self._checkpointer, layerwise, self._iteration)
             self._release.atexit = False  # _close_at_exit runs it, before h5py's own exit handler
-            _OPEN.add(self)
+            OPEN.add(self)
 
     # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         return self.inner.state
 
     @property
-    def defaults(self) -> dict[str, Any]:
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.inner.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -117,32 +147,55 @@ class LowDiffOptimizer:
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refused, except for the state the optimizer already has (accelerate reloads it to place it on its
+        device): a different state under the log would make replay wrong."""
+        if same_state(self.inner.state_dict(), state_dict):
+            self.inner.load_state_dict(state_dict)
+            return
         raise UnsupportedError("load optimizer state before lowdiff.wrap(), or restore a lowdiff run with "
                                "opt.resume(); changing it under the log would make replay wrong")
 
-    def add_param_group(self, group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise UnsupportedError("add parameter groups before lowdiff.wrap(): the run directory records the groups")
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a LowDiffOptimizer cannot be pickled or copied: it owns a run directory")
+
+    def __repr__(self) -> str:
+        return f"LowDiffOptimizer({self.inner!r}, run_dir={str(self.config.run_dir)!r})"
+
+    @property
+    def iteration(self) -> int:
+        """The last logged iteration: the state now is the one after iteration ``iteration`` (what ``resume()``
+        returned, plus one per ``step()``, plus one per iteration a tracked GradScaler skipped)."""
+        return self._loop.step
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps taken: the state now is step ``step_count``."""
-        return self._step
+        """The same as :attr:`iteration` (optimizer steps, when no tracked GradScaler skips any)."""
+        return self._loop.step
 
-    def track(self, obj: Any, name: str = "data") -> Any:
-        """Log ``obj.state_dict()`` (a small JSON dict, e.g. a :class:`lowdiff.data.ResumableLoader`'s
-        ``{"epoch", "seed", "offset"}``) with every step, and restore it with ``load_state_dict`` in
-        :meth:`resume`. Call before ``resume()``; returns ``obj``. Under DDP every rank must track the same
-        names with the same state (lowdiff.data's distributed sampler counts samples of all ranks)."""
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"opt.track() needs an object with state_dict() and load_state_dict(), got "
-                            f"{type(obj).__name__}")
-        if self._step > 0 or name in self._tracked:
-            raise LowDiffError(f"opt.track({name!r}) must come before opt.resume() and the first step, once per name")
-        try:
-            encode_value(obj.state_dict())
-        except TypeError as e:
-            raise UnsupportedError(f"the state of tracked {name!r} cannot be logged as JSON: {e}") from e
-        self._tracked[name] = obj
+    @property
+    def needs_resume(self) -> bool:
+        """Whether the run directory holds a run that :meth:`resume` has not restored yet."""
+        return self._loop.needs_resume
+
+    def track(self, obj: Any, name: str = "data", *, at: str = "auto") -> Any:
+        """Log ``obj.state_dict()`` with every step and restore it with ``load_state_dict`` in :meth:`resume`, as
+        it was at the END of the resumed iteration (after the loop's ``sched.step()`` / ``scaler.update()``).
+
+        Anything with ``state_dict()`` / ``load_state_dict()``: LR schedulers, a ``torch.amp.GradScaler`` (whose
+        skipped steps then count as iterations), a :class:`lowdiff.data.ResumableLoader`, counters. The state may
+        hold numbers, strings, lists, tuples, dicts, Counters and one-element tensors (``UnsupportedError``
+        otherwise, saying what to do). ``at``: when the state is taken, ``"end"`` (when the iteration ends) or
+        ``"step"`` (inside ``opt.step()``: right for data loaders, which hand out the next batch before the next
+        step); ``"auto"`` picks ``"step"`` for iterables, else ``"end"``. Call before ``resume()``, once per name;
+        returns ``obj``. Under DDP every rank must track the same names with the same state."""
+        if self._loop.step > 0:
+            raise LowDiffError(f"opt.track({name!r}) must come before opt.resume() and the first step")
+        self._tracker.add(obj, name, at)
+        if is_grad_scaler(obj):
+            hook_scaler_update(self, obj)
         return obj
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -154,7 +207,7 @@ class LowDiffOptimizer:
         self._coord.barrier("open run directory")
         if run_dir.has_run():
             run_dir.check_compatible(self._spec.manifest)
-            self._needs_resume = True
+            self._loop.needs_resume = True
             return
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run. Every
         # file names the run: rank 0 draws the id, every rank stamps it (docs/reference/FORMAT.md section 2).
@@ -168,46 +221,49 @@ class LowDiffOptimizer:
         self._coord.barrier("manifest")
         self._checkpointer.start(durable_step=0, shadow=self._make_shadow(state0))
 
-    def resume(self) -> int:
-        """Restore model, optimizer and compressor to the run's latest durable step and return it (0 when the
-        run directory is new). Call once, before the first ``step``."""
-        if not self._needs_resume:
-            return self._step
+    def resume(self, at: str = "latest") -> int:
+        """Restore model, optimizer, compressor, tracked objects and RNG state to the end of a logged iteration and
+        return its number (0 when the run directory is new): the next ``step()`` belongs to iteration
+        ``start + 1``. ``at="latest"``: the latest durable iteration; ``at="snapshot"``: the newest snapshot
+        step, where Top-k's and PowerSGD's error-feedback memory is exact too (the loop then redoes the iterations
+        after it, bit for bit). Call once, before the first ``step``."""
+        if not self._loop.needs_resume:
+            return self._loop.step
         assert self._checkpointer is not None and self._run_dir is not None
         run_dir = self._run_dir.path
         device = str(next(iter(self._spec.params.values())).device) if self._spec.params else "cpu"
+        world = self._coord.world_size
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
-        rec = recover(run_dir, device=device, workers=1 if self._coord.world_size > 1 else None)
+        rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
+                                 rank=self._coord.rank if world > 1 else None)
         self.model.load_state_dict(rec.model)
         self.inner.load_state_dict(rec.optimizer)
-        if rec.compressor_state_exact:
-            self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
-        else:
-            # Residuals cannot be rebuilt from the log: they restart at zero. PowerSGD's warm-start Q is in
-            # the log, so it continues exactly. (docs/reference/FORMAT.md, "Resuming between snapshots")
-            self.compressor.load_state_dict(self._on_param_devices(rec.compressor_state))
-            log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero",
-                     rec.step)
+        apply_end_groups(self.inner.param_groups, rec.end_groups)
+        self.compressor.load_state_dict(compressor_state(rec, self.compressor, world, self._spec.params))
         for s in rec.report.skipped:
             log.warning("lowdiff: resume skipped %s", s)
         self._coord.barrier("recovered")
         if self._leader:
             self._run_dir.quarantine_beyond(rec.step)
         self._coord.barrier("quarantined")
-        self._step = rec.step
+        self._loop.step = rec.step
+        self._loop.stepped = False
         self._stager.remember_buffers()
-        self._needs_resume = False
+        self._loop.needs_resume = False
         shadow = self._make_shadow(self._stager.snapshot(rec.step).wait()) if self.config.snapshot.shadow else None
         self._checkpointer.start(durable_step=rec.step, shadow=shadow)
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
-        restore_positions(self._tracked, rec.data, rec.step)
+        self._tracker.restore(rec.data, rec.step, end_known=rec.end_groups is not None)
         rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
         log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
         return rec.step
 
     def flush(self) -> int:
-        """Commit every logged step; returns the newest durable step."""
-        return self._checkpointer.flush() if self._checkpointer else self._step
+        """End the iteration in progress (call it after the loop's last change to tracked objects) and commit
+        every logged step; returns the newest durable step."""
+        if self._iteration is not None:
+            self._iteration.seal()
+        return self._checkpointer.flush() if self._checkpointer else self._loop.step
 
     @property
     def durable_step(self) -> int:
@@ -231,38 +287,43 @@ class LowDiffOptimizer:
             snapshot_buffers_reused=self._stager.snapshots_reused,
             layerwise=LayerwiseStats(lw.hits, lw.misses, lw.active) if lw is not None else None)
 
-    def close(self) -> None:
-        """Flush and release the run directory; everything logged is durable when it returns."""
-        if self._closed:
+    def close(self, interrupted: bool = False) -> None:
+        """End the iteration in progress, flush and release the run directory; everything logged is durable when it
+        returns. ``interrupted=True`` (an exception stopped the loop mid-iteration): that iteration is not logged,
+        since what it left in tracked objects is unknown; a resume redoes it."""
+        if self._loop.closed:
             return
-        self._closed = True
-        _OPEN.discard(self)
+        self._loop.closed = True
+        OPEN.discard(self)
         if self._checkpointer is not None:
             # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
             # the process's first finalize was made, possibly after ours) does nothing.
             if self._release.detach() is not None:
-                _release(self._checkpointer, self._stager.layerwise)
+                release(self._checkpointer, self._stager.layerwise, self._iteration, interrupted)
         elif self._stager.layerwise is not None:
             self._stager.layerwise.remove()
 
     def __enter__(self) -> LowDiffOptimizer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.close(interrupted=exc_type is not None)
 
     # -- the step ------------------------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Compress (if configured) -> decode into ``.grad`` -> inner step -> log the step."""
+        """Compress (if configured) -> decode into ``.grad`` -> inner step -> log the step.
+
+        ``closure`` (Lightning passes one): run once, with gradients enabled, before the step (it computes the loss
+        and the gradients); its value is returned."""
+        self._check_usable()
+        if self._iteration is not None:
+            self._iteration.seal()  # the previous iteration ended: this one has reached its step
+            self._report_backpressure(self._loop.step)
+        loss = None
         if closure is not None:
-            raise UnsupportedError("closure-based optimizers (e.g. LBFGS) re-evaluate the loss inside step and "
-                                   "cannot be replayed from a gradient log")
-        if self._closed:
-            raise LowDiffError("step() after close(): wrap the optimizer again to continue")
-        if self._needs_resume:
-            raise LowDiffError(f"{self.config.run_dir} already holds a run; call opt.resume() before training, "
-                               "or use a new run_dir")
+            with torch.enable_grad():
+                loss = closure()
         if self._checkpointer is not None:
             self._checkpointer.check()
         t_apply = time.perf_counter()
@@ -282,133 +343,91 @@ class LowDiffOptimizer:
                                            "aggregate this step (accumulating outside no_sync()?)")
                 else:
                     payload, decoded = self.compressor.compress_decode(name, g)
-                    if not _same_tensor(decoded, g):
+                    if not same_tensor(decoded, g):
                         p.grad = decoded
                 if name in self._owned_log:
                     grads[name] = payload
         ckpt = self._checkpointer
-        copies, stage_s = None, 0.0
+        copies, stage_s, data = None, 0.0, {}
         if ckpt is not None:
+            data = self._step_state()  # before anything changes: a state that cannot be logged stops the step here
             # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
             t_stage = time.perf_counter()
             copies = self._stager.copy_step(grads)
             stage_s = time.perf_counter() - t_stage
         groups = encode_groups(self.inner.param_groups)
+        for pre in list(self._optimizer_step_pre_hooks.values()):
+            pre(self, (), {})
         out = self.inner.step()
+        for post in list(self._optimizer_step_post_hooks.values()):
+            post(self, (), {})
         # compress + decode + inner step, staging excluded: the tuner's estimate of one replayed step.
         apply_s = time.perf_counter() - t_apply - stage_s
-        step = self._step + 1
-        self._step = step
+        step = self._loop.step + 1
+        self._loop.step = step
+        self._loop.stepped = True
         if ckpt is not None and copies is not None:
-            record = self._stager.finish_step(copies, step, groups)
-            snapshot, block_s = None, 0.0
-            if ckpt.needs_capture(step):
-                t_snap = time.perf_counter()
-                snapshot = self._stager.snapshot(step)
-                block_s = time.perf_counter() - t_snap
-            ckpt.on_step(record, snapshot=snapshot, snapshot_block_s=block_s, apply_s=apply_s)
-            self._report_backpressure(step)
+            self._hold(self._stager.finish_step(copies, step, groups, data), apply_s)
+        return loss if closure is not None else out
+
+    def _check_usable(self) -> None:
+        if self._loop.closed:
+            raise LowDiffError("step() after close(): wrap the optimizer again to continue")
+        if self._loop.needs_resume:
+            raise LowDiffError(f"{self.config.run_dir} already holds a run; call opt.resume() before training, "
+                               "or use a new run_dir")
+
+    def _step_state(self) -> dict[str, Any]:
+        data, errors = self._tracker.state(AT_STEP)
+        if errors:
+            raise UnsupportedError(errors[0])
+        return data
+
+    def _hold(self, record: Any, apply_s: float | None) -> None:
+        """Keep ``record`` (and the snapshot, at a snapshot step) until its iteration ends (lowdiff.iteration)."""
+        assert self._checkpointer is not None and self._iteration is not None
+        step = record.item.step
+        snapshot, block_s = None, 0.0
+        if self._checkpointer.needs_capture(step):
+            t_snap = time.perf_counter()
+            snapshot = self._stager.snapshot(step, record.item.data)
+            block_s = time.perf_counter() - t_snap
+        self._iteration.hold(Pending(record, snapshot, block_s, apply_s))
+
+    def _scaler_update(self, update: Callable[[Any], Any], new_scale: Any) -> Any:
+        """A tracked GradScaler's ``update()``. In an iteration without an optimizer step (the scaler found inf or
+        NaN gradients) the previous iteration has ended before it, and this one is logged as a step without
+        gradients, so step numbers count iterations."""
+        if self._loop.stepped:
+            out = update(new_scale)
+            self._loop.stepped = False
+            return out
+        self._check_usable()
+        if self._iteration is not None:
+            self._iteration.seal()
+        data = self._step_state() if self._checkpointer is not None else {}
+        out = update(new_scale)
+        if self._hook is not None:
+            self._hook.take()  # the skipped iteration's payloads: never consumed
+        step = self._loop.step + 1
+        if self._checkpointer is not None:
+            copies = self._stager.copy_step({})  # only the buffers its forward pass changed
+            groups = encode_groups(self.inner.param_groups)
+            self._hold(self._stager.finish_step(copies, step, groups, data, skipped=True), None)
+        self._loop.step = step
         return out
 
     def _report_backpressure(self, step: int) -> None:
-        """Warn when training has waited for the writer (the disk is slower than the log grows), at most once
-        per ``log.backpressure_warn_s`` of added waiting."""
         assert self._checkpointer is not None
-        st = self._checkpointer.writer_stats
-        if st.blocked_s - self._blocked_reported < self.config.log.backpressure_warn_s:
-            return
-        self._blocked_reported = st.blocked_s
-        mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
-        log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
-                    "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
-                    "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
+        self._loop.blocked_reported = self._checkpointer.report_backpressure(
+            step, self._loop.blocked_reported, self.config.log.backpressure_warn_s)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
     def _make_shadow(self, state: SnapshotState) -> ShadowReplica | None:
         if not self.config.snapshot.shadow:
             return None
-        if self._coord.world_size > 1:
-            raise UnsupportedError("snapshot.shadow is not supported with DDP yet; use the default snapshots")
-        if any(p.device.type != "cpu" for p in self._spec.params.values()):
-            raise UnsupportedError("snapshot.shadow is bit-exact only when training on the CPU (a CPU replica of "
-                                   "GPU training drifts in the last bits); turn it off on GPUs")
-        return ShadowReplica(self._spec.manifest, state, type(self.inner))
-
-    def _on_param_devices(self, state: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-        """Compressor state moved to the device of the parameter it belongs to (under DDP, each rank's own)."""
-        params = self._spec.params
-        return {n: {k: v.to(params[n].device) if n in params else v for k, v in st.items()}
-                for n, st in state.items()}
-
-    def _state_nbytes(self, p: torch.Tensor) -> int:
-        return p.numel() * p.element_size()
-
-    def _payload_nbytes(self, p: torch.Tensor) -> int:
-        return self.compressor.payload_nbytes(tuple(p.shape), p.element_size())
-
-    def _owned_names(self, size_of: Callable[[torch.Tensor], int]) -> set[str]:
-        """Parameter names this rank persists, a share balanced by ``size_of`` (snapshots: tensor bytes; log:
-        the compressor's payload bytes, which are not proportional to them); rank 0 also keeps the parameters
-        no optimizer group holds (buffers are rank 0's too)."""
-        all_names = set(self._spec.params)
-        if self._coord.world_size == 1:
-            return all_names
-        sizes = {n: size_of(p) for n, p in self._spec.optimized}
-        owned = set(partition_by_size(sizes, self._coord.world_size)[self._coord.rank])
-        if self._coord.rank == 0:
-            owned |= all_names - set(sizes)
-        return owned
-
-_OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
-"""Wrappers with a run directory, not closed yet."""
-
-
-@atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler
-def _close_at_exit() -> None:
-    for opt in list(_OPEN):
-        try:
-            opt.close()
-        except Exception as e:  # one failure must not keep the others open
-            log.error("lowdiff: closing %s at interpreter exit failed: %s", opt.config.run_dir, e)
-
-
-def _release(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> None:
-    """What close() does: remove the capture hooks, flush the log and release the run directory."""
-    if checkpointer.on_writer_thread():
-        # A garbage collection the writer thread happened to run: a flush there would wait for that very thread.
-        threading.Thread(target=_close, args=(checkpointer, layerwise), name="lowdiff-close").start()
-        return
-    _close(checkpointer, layerwise)
-
-
-def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None) -> None:
-    if layerwise is not None:
-        layerwise.remove()
-    checkpointer.close()
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is ``b`` or a same-shaped view of the same memory (the identity compressor's decode)."""
-    return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
-
-
-def _record_bytes_bound(optimized: Any, cc: Any) -> float | None:
-    """An upper bound on one step's record before any is seen, the same on every rank (the tuner caps its
-    bootstrap batch with it): the dense gradient for compressor none, values plus indices (int64 at most) of the
-    kept fraction for Top-k; None for PowerSGD (small factors: the bootstrap batch stands)."""
-    dense = sum(p.numel() * p.element_size() for _, p in optimized)
-    if cc.name == "none":
-        return float(dense)
-    if cc.name == "topk":
-        return dense * float(cc.ratio) * 3.0  # 4-byte value + up to 8-byte index per kept element of 4 bytes
-    return None
-
-
-def _wants_layerwise(config: Config) -> bool:
-    # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
-    # overlapping inner.step) measured as fast or faster (docs/reference/design.md).
-    return config.log.capture == "layerwise"
+        return make_shadow(self._spec, state, type(self.inner), world_size=self._coord.world_size)
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module,

@@ -42,10 +42,11 @@ class ShadowReplica:
     def apply(self, record: StepRecord) -> None:
         if record.step != self.step + 1:
             raise RuntimeError(f"shadow replica is at step {self.step}, got the record of step {record.step}")
-        grads = {n: decode_payload(pl, self.params[n].shape) for n, pl in record.grads.items()}
-        apply_step(self.optimizer, self.params, record.groups, grads, "cpu")
-        for p in self.params.values():
-            p.grad = None
+        if not record.skipped:  # an iteration the GradScaler skipped: no optimizer step
+            grads = {n: decode_payload(pl, self.params[n].shape) for n, pl in record.grads.items()}
+            apply_step(self.optimizer, self.params, record.groups, grads, "cpu")
+            for p in self.params.values():
+                p.grad = None
         self.buffers.update(record.buffers)
         self.groups = [dict(g) | {"params": names} for g, names in zip(record.groups, self.manifest.param_groups)]
         rng = getattr(record, "rng", None)
@@ -54,6 +55,7 @@ class ShadowReplica:
         data = getattr(record, "data", None)
         if data:
             self.extra["data"] = data
+        self.extra["end_groups"] = record.end_groups
         self.step = record.step
 
     def snapshot(self) -> SnapshotState:
@@ -71,3 +73,15 @@ class ShadowReplica:
         if self.rng and hasattr(snap, "rng"):
             snap.rng = dict(self.rng)
         return snap
+
+
+def make_shadow(spec: Any, state: SnapshotState, optimizer_class: type, *, world_size: int) -> ShadowReplica:
+    """The replica behind ``snapshot.shadow: true``, refused where it cannot be exact."""
+    from lowdiff.errors import UnsupportedError
+
+    if world_size > 1:
+        raise UnsupportedError("snapshot.shadow is not supported with DDP yet; use the default snapshots")
+    if any(p.device.type != "cpu" for p in spec.params.values()):
+        raise UnsupportedError("snapshot.shadow is bit-exact only when training on the CPU (a CPU replica of "
+                               "GPU training drifts in the last bits); turn it off on GPUs")
+    return ShadowReplica(spec.manifest, state, optimizer_class)

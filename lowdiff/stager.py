@@ -7,9 +7,10 @@ step (on a GPU they overlap its kernels) while its RNG state exists only after i
 
     copies = stager.copy_step(payloads)              # before inner.step(): device-to-host copies in flight
     inner.step()
-    record = stager.finish_step(copies, step, groups)  # after it: a complete Staged[StepRecord]
+    record = stager.finish_step(copies, step, groups, data)  # after it: a Staged[StepRecord]
 
-A snapshot is one call, :meth:`Stager.snapshot`.
+A snapshot is one call, :meth:`Stager.snapshot`. What the loop changes after ``opt.step()`` (the tracked state at the
+end of the iteration) is added to the record when the iteration ends (lowdiff.iteration).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.compressors.base import Compressor
-from lowdiff.data import positions_of
 from lowdiff.model_spec import ModelSpec
 from lowdiff.named_state import to_named
 from lowdiff.staging import HostCopier, HostPool, Staged
@@ -44,18 +44,18 @@ class StepCopies:
 
 class Stager:
     """Stages the state of one model + optimizer + compressor. ``owned``: the parameters whose state this rank
-    snapshots; ``leader``: whether this rank stages the buffers; ``tracked``: the objects ``opt.track``
-    registered (their positions go with every record and snapshot)."""
+    snapshots; ``leader``: whether this rank stages the buffers; ``per_rank``: training under torch.distributed
+    with several ranks, whose compressor memory differs per rank (each rank snapshots all of its own)."""
 
     def __init__(self, spec: ModelSpec, optimizer: torch.optim.Optimizer, compressor: Compressor, *,
-                 copier: HostCopier, owned: set[str], leader: bool, tracked: Mapping[str, Any],
+                 copier: HostCopier, owned: set[str], leader: bool, per_rank: bool = False,
                  layerwise: LayerwiseCapture | None = None) -> None:
         self.spec = spec
         self.optimizer = optimizer
         self.compressor = compressor
         self.owned = owned
         self.leader = leader
-        self.tracked = tracked
+        self.per_rank = per_rank
         self.layerwise = layerwise
         self.copier = copier
         self._pool = HostPool()
@@ -116,14 +116,16 @@ class Stager:
         # One side stream: a later event also covers the copies the hooks queued before it.
         return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
 
-    def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]]) -> Staged[StepRecord]:
-        """The complete record of ``step``: call right after the inner step (the RNG state it logs is what the
-        next forward pass starts from)."""
+    def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
+                    data: dict[str, Any] | None = None, *, skipped: bool = False) -> Staged[StepRecord]:
+        """The record of ``step``: call right after the inner step (the RNG state it logs is what the next forward
+        pass starts from). ``data``: the encoded state of the objects tracked ``at="step"``; ``skipped``: an
+        iteration without an optimizer step (no gradients)."""
         record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
-                            rng=self._rng(), data=positions_of(self.tracked))
+                            rng=self._rng(), data=dict(data or {}), skipped=skipped)
         return Staged(record, copies.ready, copies.release)
 
-    def snapshot(self, step: int) -> Staged[SnapshotState]:
+    def snapshot(self, step: int, data: dict[str, Any] | None = None) -> Staged[SnapshotState]:
         """Copy the full state this rank owns off the live tensors (the snapshot phase; persisting happens in the
         background). On a GPU the copies are in flight when this returns."""
         sd = self.optimizer.state_dict()
@@ -132,6 +134,12 @@ class Stager:
         opt_state = {n: st for n, st in to_named(sd["state"], order).items() if n in owned}
         groups = [encode_group(g) | {"params": names}
                   for names, g in zip(self.spec.manifest.param_groups, self.optimizer.param_groups)]
+        comp = self.compressor.state_dict()
+        local = self.compressor.rank_local_keys if self.per_rank else frozenset()
+        # Under DDP every rank's error-feedback residuals differ: each rank keeps all of its own (FORMAT.md §4);
+        # state that is the same on every rank (PowerSGD's Q) is kept once, by the rank that owns the parameter.
+        shared = {n: {k: v for k, v in st.items() if k not in local} for n, st in comp.items() if n in owned}
+        mine = {n: {k: v for k, v in st.items() if k in local} for n, st in comp.items()}
         state = SnapshotState(
             step=step,
             params={n: p.detach() for n, p in self.spec.params.items() if n in owned},
@@ -139,14 +147,16 @@ class Stager:
             optimizer_state=opt_state,
             param_groups=groups,
             compressor_name=self.compressor.name,
-            compressor_state={n: dict(st) for n, st in self.compressor.state_dict().items() if n in owned},
+            compressor_state={n: st for n, st in shared.items() if st},
+            rank_compressor_state={n: st for n, st in mine.items() if st},
             rng=self._rng(),
-            extra={"data": positions_of(self.tracked)},
+            extra={"data": dict(data or {})},
         )
         # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
         slots: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
         slots += [(state.buffers, n) for n in state.buffers]
-        for d in (*state.optimizer_state.values(), *state.compressor_state.values()):
+        for d in (*state.optimizer_state.values(), *state.compressor_state.values(),
+                  *state.rank_compressor_state.values()):
             slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
         host, ready, release = self.copier.stage([d[k] for d, k in slots], [True] * len(slots),
                                                  pool=self._snapshot_pool)

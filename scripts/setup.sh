@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: torch (only if none is importable), then lowdiff in editable mode with
-# its test extras, which also installs the `lowdiff-recover` and `lowdiff` console scripts.
+# its test extras and the frameworks its integrations support (Lightning, transformers + accelerate), which also
+# installs the `lowdiff-recover` and `lowdiff` console scripts.
 #
 #   bash scripts/setup.sh            # set up
 #   bash scripts/setup.sh --demo     # set up, then run examples/demo.py (any further arguments go to it)
@@ -25,7 +26,14 @@ else
   "$PYTHON" -m pip install "torch==2.13.0"
 fi
 
-"$PYTHON" -m pip install -e ".[test]"
+torch_before="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+"$PYTHON" -m pip install -e ".[test,integrations]"
+# The extras must not replace the torch installed above (a resolver pulling a CUDA build would be gigabytes).
+torch_after="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+if [[ "$torch_before" != "$torch_after" ]]; then
+  echo "setup: error: installing lowdiff's extras replaced torch $torch_before with $torch_after" >&2
+  exit 1
+fi
 
 # pip may put console scripts in a directory that is not on PATH (e.g. ~/.local/bin for --user installs).
 if ! command -v lowdiff-recover >/dev/null 2>&1; then

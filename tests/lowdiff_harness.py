@@ -220,10 +220,14 @@ class Trainer:
     opt: lowdiff.LowDiffOptimizer
     scheduler: Any
     refs: dict[int, State] = field(default_factory=dict)
+    ends: dict[int, State] = field(default_factory=dict)
+    """The state at the end of iteration k (after the scheduler's step): what ``opt.resume()`` restores."""
 
     def record(self, step: int) -> None:
-        self.refs[step] = (to_cpu(copy.deepcopy(self.model.state_dict())),
-                           to_cpu(copy.deepcopy(self.inner.state_dict())))
+        self.refs[step] = self._state()
+
+    def _state(self) -> State:
+        return (to_cpu(copy.deepcopy(self.model.state_dict())), to_cpu(copy.deepcopy(self.inner.state_dict())))
 
     def step(self, step: int) -> None:
         s = self.scenario
@@ -241,6 +245,7 @@ class Trainer:
             self.opt.zero_grad()
             if self.scheduler is not None:
                 self.scheduler.step()
+            self.ends[step] = self._state()
 
     def train(self, first: int, last: int, on_step: Callable[[int], None] | None = None) -> None:
         for k in range(first, last + 1):
@@ -255,10 +260,13 @@ def start(scenario: Scenario, run_dir: str | Path, *, resume: bool = True) -> Tr
     inner = make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
     sched = make_scheduler(inner) if scenario.scheduler else None
     opt = lowdiff.wrap(inner, model, scenario.config(run_dir))
+    if sched is not None:
+        opt.track(sched, "lr_scheduler")  # back at the end of the resumed iteration, so resumed runs continue exactly
     t = Trainer(scenario, model, inner, opt, sched)
     if resume:
         k = opt.resume()
         t.record(k)
+        t.ends[k] = t.refs[k]
     return t
 
 

@@ -35,6 +35,9 @@ class Compressor(ABC):
     """
 
     name: str
+    rank_local_keys: frozenset[str] = frozenset({"residual"})
+    """Keys of :meth:`state_dict` that differ from rank to rank under DDP (error-feedback residuals: each rank's own
+    gradient minus what it sent); the rest (PowerSGD's warm-start Q) is the same on every rank."""
 
     @abstractmethod
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:

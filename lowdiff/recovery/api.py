@@ -23,9 +23,10 @@ from lowdiff.recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
-from lowdiff.storage.format import MANIFEST
+from lowdiff.storage.format import MANIFEST, decode_value
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
+from lowdiff.storage.snapshot import read_rank_state
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,26 @@ class Recovered:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state right after ``step`` by source name (``lowdiff.rng.restore(rec.rng)``); empty if not logged."""
     data: dict[str, Any] = field(default_factory=dict)
-    """Data positions after ``step`` by the name given to ``opt.track`` (``{"epoch", "seed", "offset"}``)."""
+    """The state of every object ``opt.track`` registered, by its name, at the end of iteration ``step`` (a
+    ``ResumableLoader``'s ``{"epoch", "seed", "offset"}``, a scheduler's ``state_dict()``)."""
+    end_groups: list[dict[str, Any]] | None = None
+    """Each optimizer group's hyperparameters at the end of iteration ``step``, after the loop's ``sched.step()``:
+    what the next step starts from (``optimizer`` holds those step ``step`` used). None when the log does not hold
+    them (a run written before format 2.2)."""
+    world_size: int = 1
+    """Ranks that wrote the snapshot recovery started from (its shards)."""
+    rank_compressor_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Rank ``rank``'s own compressor memory (error-feedback residuals) when ``recover(..., rank=...)`` was asked
+    for it and ``step`` is a snapshot step of a sharded run (FORMAT.md section 4); else empty."""
 
 
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
-            options: ReplayOptions = DEFAULT_OPTIONS) -> Recovered:
+            rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
+
+    ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
+    step of a run trained on several ranks (``opt.resume()`` under DDP asks for its own).
 
     ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/measurements/recovery.md).
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
@@ -137,7 +151,7 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
         report = RecoveryReport(step=target, snapshot_step=chain.snapshot_step, steps_replayed=result.steps,
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped)
-        return _assemble(manifest, result, target, chain, report)
+        return _assemble(manifest, result, target, chain, report, device, rank)
 
 
 MAX_RELISTS = 20
@@ -191,8 +205,8 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     return result, result.workers, "parallel"
 
 
-def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
-              report: RecoveryReport) -> Recovered:
+def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain, report: RecoveryReport,
+              device: str = "cpu", rank: int | None = None) -> Recovered:
     tensors: dict[str, torch.Tensor] = {}
     tensors.update(r.buffers)
     tensors.update(r.params)
@@ -210,5 +224,16 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
     else:
         comp = {n: {"q": st["q"]} for n, st in r.compressor_state.items() if "q" in st}
         comp.update({n: {"q": q} for n, q in r.last_q.items()})
+    rank_state: dict[str, dict[str, torch.Tensor]] = {}
+    if exact and rank is not None:
+        try:
+            rank_state = read_rank_state(chain.snapshot, manifest, rank)
+        except CorruptFileError as e:  # only compression's memory is lost: parameters and optimizer are exact
+            log.warning("recovery: rank %d's compressor memory in %s is unreadable (%s); it restarts at zero",
+                        rank, chain.snapshot, e)
+            report.skipped.append(str(e))
+    end = None if r.end_groups is None else [{k: v for k, v in decode_value(g, device).items() if k != "params"}
+                                             for g in r.end_groups]
     return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
-                     compressor_state_exact=exact, report=report, rng=r.rng, data=r.data)
+                     compressor_state_exact=exact, report=report, rng=r.rng, data=r.data, end_groups=end,
+                     world_size=len(chain.snapshot.paths), rank_compressor_state=rank_state)

@@ -26,7 +26,25 @@ def _add_recover_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _check_recover_args(args: argparse.Namespace) -> None:
+    """Refuse what would fail only after the whole replay (an unwritable --output) or make no sense, up front."""
+    if args.workers is not None and args.workers < 1:
+        raise LowDiffError(f"--workers must be at least 1, got {args.workers}")
+    if args.step is not None and args.step < 0:
+        raise LowDiffError(f"--step must be 0 or more, got {args.step}")
+    if args.output:
+        out = Path(args.output)
+        parent = out.parent if str(out.parent) else Path(".")
+        if out.is_dir():
+            raise LowDiffError(f"--output {out} is a directory; name the file to write")
+        if not parent.is_dir():
+            raise LowDiffError(f"--output {out}: directory {parent} does not exist; create it first")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise LowDiffError(f"--output {out}: directory {parent} is not writable")
+
+
 def _cmd_recover(args: argparse.Namespace) -> int:
+    _check_recover_args(args)
     bar: Any = None
     progress = None
     if not args.quiet and sys.stderr.isatty():

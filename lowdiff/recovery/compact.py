@@ -67,6 +67,8 @@ def snapshot_from_recovered(manifest: Manifest, rec: Recovered) -> SnapshotState
         compressor_name=str(manifest.config.get("compressor", {}).get("name", "none")),
         compressor_state=rec.compressor_state,
         # Error-feedback residuals cannot be rebuilt from the log: a resume from this snapshot restarts them.
-        extra={"compacted": True, "compressor_state_exact": rec.compressor_state_exact, "data": rec.data},
+        extra={"compacted": True, "compressor_state_exact": rec.compressor_state_exact,
+               "data": encode_value(rec.data),
+               "end_groups": None if rec.end_groups is None else [encode_value(g) for g in rec.end_groups]},
         rng=dict(rec.rng),
     )

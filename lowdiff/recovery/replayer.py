@@ -57,7 +57,9 @@ class PartitionResult:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state at the target step (partition with buffers only)."""
     data: dict[str, Any] = field(default_factory=dict)
-    """Data positions at the target step (partition with buffers only)."""
+    """Tracked state at the target step (partition with buffers only)."""
+    end_groups: list[dict[str, Any]] | None = None
+    """Encoded hyperparameters at the end of the target step's iteration, when logged (FORMAT.md sections 4, 5)."""
     bytes_read: int = 0
     steps: int = 0
     times: PhaseTimes = field(default_factory=PhaseTimes)
@@ -121,7 +123,7 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
     result = PartitionResult(params={}, optimizer_state={}, groups=list(snap.param_groups), buffers=dict(snap.buffers),
                              compressor_state=snap.compressor_state, last_q={},
                              snapshot_extra=snap.extra, rng=dict(snap.rng),
-                             data=dict(snap.extra.get("data") or {}))
+                             data=dict(snap.extra.get("data") or {}), end_groups=snap.extra.get("end_groups"))
     ctx = _Replay(manifest, [seg for seg in segments if seg.last > snap.step], target, device, stepper, result, times,
                   progress, options)
     start = snap.step
@@ -179,14 +181,17 @@ def _read_segment(manifest: Manifest, seg: Segment, names: list[str], with_buffe
 
 
 def _replay_first_step(ctx: _Replay, names: list[str], with_buffers: bool, start: int) -> int:
-    """Replay the first step after ``start`` alone (all tensors, in this process); returns its number."""
+    """Replay the first step after ``start`` alone (all tensors, in this process), and the skipped iterations
+    before it; returns its number."""
     t0 = time.perf_counter()
     seg = ctx.pending[0]
     _, steps = _read_segment(ctx.manifest, seg, names, with_buffers, ctx.options)
     ctx.times.read_s += time.perf_counter() - t0
-    first = [sd for sd in steps if start < sd.step <= ctx.target][:1]
+    wanted = [sd for sd in steps if start < sd.step <= ctx.target]
+    # Up to the first step that steps (iterations a GradScaler skipped before it create no optimizer state).
+    first = wanted[: next((i + 1 for i, sd in enumerate(wanted) if not sd.skipped), len(wanted))]
     _replay_steps(ctx, first, seg, start)
-    return first[0].step if first else start
+    return first[-1].step if first else start
 
 
 def _replay_log(ctx: _Replay, names: list[str], with_buffers: bool, start: int) -> None:
@@ -229,7 +234,7 @@ def _replay_steps(ctx: _Replay, steps: list[StepData], seg: Segment, snap_step: 
         if sd.step <= snap_step or sd.step > ctx.target:
             continue
         t0 = time.perf_counter()
-        if stepper is not None:
+        if stepper is not None and not sd.skipped:  # an iteration the GradScaler skipped: no optimizer step
             stepper.set_grads(sd, seg)
         for n, payload in sd.grads.items():
             if "q" in payload:
@@ -237,11 +242,12 @@ def _replay_steps(ctx: _Replay, steps: list[StepData], seg: Segment, snap_step: 
         t1 = time.perf_counter()
         times.decode_s += t1 - t0
         result.groups = sd.groups
-        if stepper is not None:
+        if stepper is not None and not sd.skipped:
             stepper.step(sd.groups)
         result.buffers.update(sd.buffers)
         result.rng.update(sd.rng)
         result.data = sd.data or result.data
+        result.end_groups = sd.end_groups
         times.apply_s += time.perf_counter() - t1
         result.steps += 1
         if ctx.progress is not None:

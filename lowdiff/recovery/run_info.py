@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.errors import LowDiffError
+from lowdiff.storage.format import FileSet, list_segments, list_snapshots
 from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.run_dir import DECISIONS_FILE
+from lowdiff.storage.segment_reader import SegmentReader
 from lowdiff.tuner.solve import format_decisions
 
 
@@ -32,6 +34,9 @@ class RunInfo:
     tuner_decisions: list[dict[str, Any]] = field(default_factory=list)
     tuner_error: str | None = None
     """Why ``tuner.json`` could not be read (None: read, or absent)."""
+    log_compressor: tuple[str, dict[str, Any]] | None = None
+    """The compressor (name, ``ratio``/``rank``) the newest segment was written with; it differs from the
+    manifest's when a resume changed the compressor (None: no readable segment)."""
 
     def summary(self) -> str:
         m, cfg = self.manifest, self.manifest.config
@@ -41,11 +46,13 @@ class RunInfo:
             f"  model: {len(m.params)} parameters ({sum(p.numel for p in m.params):,} elements), "
             f"{len(m.buffers)} buffers",
             f"  optimizer: {m.optimizer_class}, {len(m.param_groups)} group(s)",
-            f"  compressor: {comp.get('name')} (ratio {comp.get('ratio')}, rank {comp.get('rank')}); "
-            f"codec {cfg.get('log', {}).get('codec')}",
+            f"  compressor: {_compressor(str(comp.get('name')), comp)}; codec {cfg.get('log', {}).get('codec')}",
             f"  snapshots: {len(self.snapshot_steps)} at steps {_ranges(self.snapshot_steps)} "
             f"({self.snapshot_bytes / 1e6:.2f} MB)",
         ]
+        if self.log_compressor is not None and self.log_compressor != (comp.get("name"), _params(comp)):
+            lines.append(f"  compressor of the newest segment: {_compressor(*self.log_compressor)} (changed on a "
+                         "resume; the manifest keeps the run's first configuration)")
         if self.segments:
             first, last = self.segments[0][0], self.segments[-1][1]
             lines.append(f"  log: {len(self.segments)} segments, steps {first}..{last} ({self.log_bytes / 1e6:.2f} MB, "
@@ -63,7 +70,7 @@ class RunInfo:
 
 def inspect(run_dir: str | os.PathLike[str]) -> RunInfo:
     """Summarize ``run_dir``: model, optimizer, compressor, snapshots, log, latest recoverable step, tuner
-    decisions. Reads the manifest and file names only (fast on any size of run).
+    decisions. Reads the manifest, file names and the newest segment's header only (fast on any size of run).
 
     >>> print(lowdiff.inspect("runs/exp1").summary())   # doctest: +SKIP
     """
@@ -81,10 +88,33 @@ def inspect(run_dir: str | os.PathLike[str]) -> RunInfo:
         except (OSError, ValueError, KeyError, TypeError) as e:
             error = str(e)
     return RunInfo(run_dir=root, manifest=manifest, snapshot_steps=sorted(snaps),
+                   log_compressor=_newest_compressor(manifest, segs),
                    snapshot_bytes=sum(f.nbytes for f in snaps.values()),
                    segments=[(a, b) for a, b, _ in segs], log_bytes=sum(f.nbytes for _, _, f in segs),
                    latest_step=max(c.end for c in cs) if cs else None, tuner_decisions=decisions,
                    tuner_error=error)
+
+
+def _newest_compressor(manifest: Manifest, segs: list[tuple[int, int, FileSet]]) -> tuple[str, dict[str, Any]] | None:
+    """What the newest segment that opens says it was compressed with (its header only; no payload is read)."""
+    for first, last, files in reversed(segs):
+        try:
+            reader = SegmentReader(files, manifest, first, last)
+        except LowDiffError:
+            continue
+        try:
+            return reader.compressor, _params(reader.compressor_params)
+        finally:
+            reader.close()
+    return None
+
+
+def _params(comp: dict[str, Any]) -> dict[str, Any]:
+    return {k: comp.get(k) for k in ("ratio", "rank")}
+
+
+def _compressor(name: str, comp: dict[str, Any]) -> str:
+    return f"{name} (ratio {comp.get('ratio')}, rank {comp.get('rank')})"
 
 
 def _ranges(steps: list[int]) -> str:

@@ -22,7 +22,7 @@ from lowdiff.storage.format import DTYPES, list_segments, list_snapshots
 from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.segment import SegmentReader
-from lowdiff.storage.snapshot import read_snapshot
+from lowdiff.storage.snapshot import read_rank_state, read_snapshot
 
 
 @dataclass
@@ -77,6 +77,8 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
             snap = read_snapshot(files, manifest)
             if cls is not None:
                 check_snapshot_state(manifest, cls, snap)
+            for rank in range(len(files.paths) if len(files.paths) > 1 else 0):
+                read_rank_state(files, manifest, rank)  # each rank's own compressor memory (FORMAT.md section 4)
         except FileVanishedError as e:
             report.vanished.append(str(e))
         except LowDiffError as e:

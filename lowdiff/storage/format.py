@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from lowdiff.storage.safe_io import lstat_size
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
-FORMAT_MINOR = 1  # 2.1: run id in the manifest and every file; files name their shard; segments their bounds
+FORMAT_MINOR = 2  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state
 MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
@@ -202,12 +203,18 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-# --- JSON encoding of optimizer hyperparameters and scalar state --------------------------------------------
-# Python floats round-trip exactly through json (repr), including inf and nan. Tuples and 0-dim tensors
-# (e.g. a tensor lr) are tagged so they come back as the same type.
+# --- JSON encoding of optimizer hyperparameters, scalar state and tracked state ---------------------------------
+# Python floats round-trip exactly through json (repr), including inf and nan. Tuples, 0-dim tensors (e.g. a tensor
+# lr), Counters and dicts whose keys are not all strings (MultiStepLR's milestones) are tagged so they come back as
+# the same type (docs/reference/FORMAT.md section 2).
+
+TAGS = ("__tensor__", "__tuple__", "__counter__", "__items__")
+"""The tagged forms; a dict using one of these as a key is stored as ``__items__`` (so it stays unambiguous)."""
 
 
 def encode_value(value: Any) -> Any:
+    """``value`` as JSON, losslessly: numbers, strings, None, lists, tuples, dicts (any hashable scalar or tuple
+    keys), ``collections.Counter`` and one-element tensors. Anything else is a ``TypeError`` naming it."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -221,13 +228,21 @@ def encode_value(value: Any) -> Any:
         return {"__tuple__": [encode_value(v) for v in value]}
     if isinstance(value, list):
         return [encode_value(v) for v in value]
+    if isinstance(value, Counter):
+        return {"__counter__": [[_encode_key(k), encode_value(v)] for k, v in value.items()]}
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise TypeError("only dicts with string keys can be stored")
-        if "__tensor__" in value or "__tuple__" in value:
-            raise TypeError("dict keys __tensor__ and __tuple__ are reserved")
-        return {k: encode_value(v) for k, v in value.items()}
+        if all(isinstance(k, str) and k not in TAGS for k in value):
+            return {k: encode_value(v) for k, v in value.items()}
+        return {"__items__": [[_encode_key(k), encode_value(v)] for k, v in value.items()]}
     raise TypeError(f"cannot store a value of type {type(value).__name__}")
+
+
+def _encode_key(key: Any) -> Any:
+    if isinstance(key, (bool, int, float, str)) or key is None:
+        return key
+    if isinstance(key, tuple):
+        return {"__tuple__": [_encode_key(k) for k in key]}
+    raise TypeError(f"cannot store a dict key of type {type(key).__name__}")
 
 
 _MAX_VALUE_DEPTH = 32  # hyperparameters and data positions are shallow; deeper is not ours (and would recurse)
@@ -235,22 +250,41 @@ _MAX_VALUE_DEPTH = 32  # hyperparameters and data positions are shallow; deeper 
 
 def decode_value(value: Any, device: torch.device | str | None = None, _depth: int = 0) -> Any:
     """The value :func:`encode_value` encoded. Untrusted input: a malformed tagged form (a "tensor" of more than one
-    element, an unknown dtype, nesting deeper than encode_value ever writes) is a CorruptFileError. Whether the
-    value makes sense where it stands (finite, in range) is lowdiff.storage.validate's concern."""
+    element, an unknown dtype, an unhashable key, nesting deeper than encode_value ever writes) is a
+    CorruptFileError. Whether the value makes sense where it stands (finite, in range) is lowdiff.storage.validate's
+    concern."""
     if _depth > _MAX_VALUE_DEPTH:
         raise CorruptFileError(f"value nested deeper than {_MAX_VALUE_DEPTH} levels")
     if isinstance(value, list):
         return [decode_value(v, device, _depth + 1) for v in value]
     if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            items = value["__tuple__"]
-            if not isinstance(items, list):
-                raise CorruptFileError(f"malformed tuple {str(value)[:80]}")
-            return tuple(decode_value(v, device, _depth + 1) for v in items)
-        if set(value) == {"__tensor__"}:
-            return _decode_tensor(value["__tensor__"], device)
+        if len(value) == 1:
+            tag, items = next(iter(value.items()))
+            if tag == "__tuple__":
+                if not isinstance(items, list):
+                    raise CorruptFileError(f"malformed tuple {str(value)[:80]}")
+                return tuple(decode_value(v, device, _depth + 1) for v in items)
+            if tag == "__tensor__":
+                return _decode_tensor(items, device)
+            if tag in ("__counter__", "__items__"):
+                pairs = _decode_pairs(items, device, _depth + 1)
+                return Counter(dict(pairs)) if tag == "__counter__" else dict(pairs)
         return {k: decode_value(v, device, _depth + 1) for k, v in value.items()}
     return value
+
+
+def _decode_pairs(items: Any, device: torch.device | str | None, depth: int) -> list[tuple[Any, Any]]:
+    if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
+        raise CorruptFileError(f"malformed mapping {str(items)[:80]} (expected [key, value] pairs)")
+    out = []
+    for k, v in items:
+        key = decode_value(k, device, depth + 1)
+        try:
+            hash(key)
+        except TypeError:
+            raise CorruptFileError(f"mapping key {str(k)[:40]} is not hashable") from None
+        out.append((key, decode_value(v, device, depth + 1)))
+    return out
 
 
 def _decode_tensor(spec: Any, device: torch.device | str | None) -> torch.Tensor:

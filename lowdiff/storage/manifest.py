@@ -281,3 +281,25 @@ def check_compatible(recorded: Manifest, current: Manifest, run_dir: Path) -> No
         fail(f"optimizer is {current.optimizer_class}, the run used {recorded.optimizer_class}")
     if recorded.param_groups != current.param_groups:
         fail("optimizer parameter groups differ from the run's")
+
+
+def config_changes(recorded: Manifest, current: Manifest) -> list[str]:
+    """What a resume changes that the run directory cannot follow silently: another compressor (allowed: each
+    segment records its own, FORMAT.md section 5) or other optimizer defaults (the resumed state keeps the run's
+    logged hyperparameters). One line each, for the log."""
+    out = []
+    old_c, new_c = recorded.config.get("compressor") or {}, current.config.get("compressor") or {}
+    if old_c != new_c:
+        out.append(f"the compressor is {_short(new_c)} now, the run was written with {_short(old_c)}: segments from "
+                   "here on record the new one (manifest.json keeps the run's first configuration)")
+    old_d, new_d = recorded.optimizer_defaults, current.optimizer_defaults
+    changed = [k for k in sorted(old_d.keys() | new_d.keys()) if old_d.get(k) != new_d.get(k)]
+    if changed:
+        diff = ", ".join(f"{k} {_short(old_d.get(k))} -> {_short(new_d.get(k))}" for k in changed[:6])
+        out.append(f"the optimizer was built with other defaults than the run's ({diff}): resume() restores the "
+                   "hyperparameters the run logged; set new values on opt.param_groups after resume() to change them")
+    return out
+
+
+def _short(value: Any) -> str:
+    return str(value)[:80]

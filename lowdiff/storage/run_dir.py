@@ -29,7 +29,14 @@ from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond
 from lowdiff.storage.lock import WriterLock
-from lowdiff.storage.manifest import Manifest, check_compatible, read_manifest, shared_run_id, write_manifest
+from lowdiff.storage.manifest import (
+    Manifest,
+    check_compatible,
+    config_changes,
+    read_manifest,
+    shared_run_id,
+    write_manifest,
+)
 from lowdiff.storage.retention import apply_retention
 from lowdiff.storage.segment import StepRecord, write_segment
 from lowdiff.storage.snapshot import SnapshotState, write_snapshot
@@ -100,6 +107,8 @@ class RunDir:
         """The model and optimizer being wrapped must be the ones this run was written for; adopts its run id."""
         recorded = self.read_manifest()
         check_compatible(recorded, current, self.path)
+        for change in config_changes(recorded, current):
+            log.warning("lowdiff: resuming %s: %s", self.path, change)
         self.run_id = recorded.run_id
 
     def new_run(self, manifest: Manifest, broadcast_ints: Callable[[list[int], str], list[int]]) -> None:

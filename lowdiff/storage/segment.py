@@ -36,7 +36,14 @@ class StepRecord:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state right after this step (lowdiff.rng.capture): 1-D uint8 tensors by source name."""
     data: dict[str, Any] = field(default_factory=dict)
-    """Data positions after this step by tracked name (JSON, the same on every rank)."""
+    """The state of every object ``opt.track`` registered, by name, encoded (lowdiff.storage.format.encode_value):
+    at the end of the iteration this step belongs to (data loaders: after the step). The same on every rank."""
+    end_groups: list[dict[str, Any]] | None = None
+    """Encoded hyperparameters of each group at the end of the iteration (after the loop's ``sched.step()``): what
+    the next step starts from. None until the iteration ends (lowdiff.iteration)."""
+    skipped: bool = False
+    """An iteration without an optimizer step (a tracked GradScaler skipped it): no gradients, nothing to replay
+    but its buffers, RNG state and tracked state."""
 
     @property
     def payload_nbytes(self) -> int:
@@ -87,12 +94,23 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
     entries += _rng_entries(records)
     meta: dict[str, Any] = {
         "first_step": first, "last_step": last, "compressor": compressor, "shard": [shard.index, shard.count],
-        "steps": [{"step": r.step, "groups": r.groups} | ({"data": r.data} if r.data else {}) for r in records]}
+        "steps": [_step_meta(r) for r in records]}
     if run_id is not None:
         meta["run_id"] = run_id
     if compressor_params is not None:
         meta["compressor_params"] = compressor_params
     return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)
+
+
+def _step_meta(r: StepRecord) -> dict[str, Any]:
+    meta: dict[str, Any] = {"step": r.step, "groups": r.groups}
+    if r.data:
+        meta["data"] = r.data
+    if r.end_groups is not None:
+        meta["end_groups"] = r.end_groups
+    if r.skipped:
+        meta["skipped"] = True
+    return meta
 
 
 def _rng_entries(records: list[StepRecord]) -> list[EntryIn]:

@@ -19,7 +19,7 @@ import torch
 
 from lowdiff.errors import CorruptFileError, ForeignFileError
 from lowdiff.storage.container_reader import ContainerReader
-from lowdiff.storage.format import DTYPES, FileSet, parse_segment_name, tensor_from_bytes
+from lowdiff.storage.format import DTYPES, FileSet, decode_value, parse_segment_name, tensor_from_bytes
 from lowdiff.storage.manifest import Manifest
 from lowdiff.storage.tensors import (
     COMPRESSOR_NAMES,
@@ -30,7 +30,7 @@ from lowdiff.storage.tensors import (
     rng_nbytes,
     topk_bound,
 )
-from lowdiff.storage.validate import check_belongs, check_groups, check_json_object, check_shard
+from lowdiff.storage.validate import check_belongs, check_groups, check_shard, check_tracked_state
 
 KIND = "segment"
 # An RNG state is a few KB (torch CPU: 5056 bytes); anything larger in a file is damage.
@@ -49,7 +49,11 @@ class StepData:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state after this step (read with buffers; carried forward within the segment)."""
     data: dict[str, Any] = field(default_factory=dict)
-    """Data positions after this step."""
+    """Tracked state (decoded) at the end of this step's iteration (FORMAT.md section 7)."""
+    end_groups: list[dict[str, Any]] | None = None
+    """Encoded hyperparameters at the end of the iteration (2.2); None when the writer did not record them."""
+    skipped: bool = False
+    """An iteration without an optimizer step (2.2): replay applies its buffers but does not step."""
 
 
 @dataclass
@@ -81,6 +85,7 @@ class SegmentReader:
             meta = self._readers[0].meta
             self.steps: list[dict[str, Any]] = meta["steps"]
             self.compressor = str(meta["compressor"])
+            self.compressor_params: dict[str, Any] = dict(meta.get("compressor_params") or {})
             for r in self._readers:
                 self._check_entries(r, meta.get("compressor_params") or {})
             self._check_fields()
@@ -128,7 +133,11 @@ class SegmentReader:
                 raise self._fail(f"step list does not match {first}-{last}", path=path)
             where = f"{path} (step {first + i})"
             check_groups(s.get("groups"), self.manifest, where, with_names=False)
-            check_json_object(s.get("data", {}), where, "the data position")
+            check_tracked_state(s.get("data", {}), where)
+            if s.get("end_groups") is not None:
+                check_groups(s["end_groups"], self.manifest, f"{where} end of iteration", with_names=False)
+            if not isinstance(s.get("skipped", False), bool):
+                raise self._fail("invalid 'skipped' flag", step=first + i, path=path)
         if self._readers and r is not self._readers[0]:
             m0 = self._readers[0].meta
             if (steps, meta.get("compressor"), params) != (m0["steps"], m0["compressor"], m0.get("compressor_params")):
@@ -193,13 +202,19 @@ class SegmentReader:
             self._columns[name] = _Column(r, DTYPES[dtype], counts, tail, fixed=kind == "buffer")
 
     def _check_fields(self) -> None:
-        """Per parameter the field set of its segment's compressor, present at the same steps, factors of one rank."""
+        """Per parameter the field set of its segment's compressor, present at the same steps, factors of one rank;
+        no gradient at a step marked skipped."""
+        skipped = [i for i, s in enumerate(self.steps) if s.get("skipped") is True]
         fields: dict[str, dict[str, _Column]] = {}
         for name, col in self._columns.items():
             kind, _, rest = name.partition("/")
             if kind == "grad":
                 pname, _, fname = rest.rpartition("/")
                 fields.setdefault(pname, {})[fname] = col
+                if any(col.counts[i] >= 0 for i in skipped):
+                    i = next(i for i in skipped if col.counts[i] >= 0)
+                    raise self._fail("a gradient at a step marked skipped (no optimizer step)", step=self.first + i,
+                                     path=col.reader.path, entry=name)
         for pname, cols in fields.items():
             if frozenset(cols) not in FIELDS_OF[self.compressor]:
                 raise self._fail(f"payload fields {sorted(cols)} of {pname!r} are not what {self.compressor} writes")
@@ -279,7 +294,8 @@ class SegmentReader:
             raise
 
     def _read_steps(self, params: list[str] | None, with_buffers: bool) -> list[StepData]:
-        out = [StepData(step=s["step"], groups=s["groups"], grads={}, buffers={}) for s in self.steps]
+        out = [StepData(step=s["step"], groups=s["groups"], grads={}, buffers={}, end_groups=s.get("end_groups"),
+                        skipped=s.get("skipped") is True) for s in self.steps]
         wanted = None if params is None else set(params)
         for pname, fields in self.grad_columns().items():
             if wanted is not None and pname not in wanted:
@@ -309,7 +325,7 @@ class SegmentReader:
                 if last is not None:
                     sd.rng[source] = last
         for sd, s in zip(out, self.steps):
-            sd.data = s.get("data", {})
+            sd.data = decode_value(s.get("data", {}))
 
     def close(self) -> None:
         for r in self._readers:

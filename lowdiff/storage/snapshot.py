@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from lowdiff.storage.validate import (
     check_json_object,
     check_scalar_state,
     check_shard,
+    check_tracked_state,
 )
 
 KIND = "snapshot"
@@ -60,8 +62,13 @@ class SnapshotState:
     """Encoded hyperparameters of each group ("params" holds parameter names)."""
     compressor_name: str = "none"
     compressor_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Compressor memory that is the same on every rank (PowerSGD's Q; everything in a single process)."""
+    rank_compressor_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Under torch.distributed (N > 1 shards): one rank's own compressor memory (error-feedback residuals), by
+    parameter name: the writing rank's, or read back with :func:`read_rank_state` for the rank asked for."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """JSON: e.g. "data" (data positions by tracked name), "compacted"."""
+    """JSON: "data" (tracked state by name; encoded when written, decoded when read), "end_groups" (encoded
+    hyperparameters at the end of the iteration), "compacted", ..."""
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
     source: Any = None
@@ -92,6 +99,11 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
     for n, st in state.compressor_state.items():
         for k, v in st.items():
             add(f"compressor/{n}/{k}", v)
+    if state.rank_compressor_state and shard.count < 2:
+        raise ValueError("per-rank compressor state belongs in a sharded snapshot (one shard per rank)")
+    for n, st in state.rank_compressor_state.items():
+        for k, v in st.items():
+            add(f"{rank_prefix(shard.index)}compressor/{n}/{k}", v)
     for n, t in state.rng.items():
         add(f"rng/{n}", t)
     meta = {"step": state.step, "param_groups": state.param_groups, "optimizer_scalars": scalars,
@@ -100,6 +112,20 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
         meta["run_id"] = run_id
     path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
     return write_container(path, KIND, meta, entries, codec)
+
+
+def rank_prefix(rank: int) -> str:
+    """Entry-name prefix of one rank's own state in its shard (FORMAT.md section 4)."""
+    return f"rank/{rank:05d}/"
+
+
+def read_rank_state(files: FileSet, manifest: Manifest, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Rank ``rank``'s own compressor memory from its shard of a sharded snapshot (empty when it saved none, or when
+    the snapshot is not sharded). Reads that one file's ``rank/`` entries, verifying them as :func:`read_snapshot`."""
+    if len(files.paths) < 2 or not 0 <= rank < len(files.paths):
+        return {}
+    state = _read_one(files.paths[rank], manifest, set(), False, None, {}, rank_state=rank)
+    return state.rank_compressor_state
 
 
 def read_snapshot(files: FileSet | Path, manifest: Manifest, only: set[str] | None = None,
@@ -127,10 +153,10 @@ def read_snapshot(files: FileSet | Path, manifest: Manifest, only: set[str] | No
 
 
 def _read_one(path: Path, manifest: Manifest, only: set[str] | None, with_buffers: bool,
-              state: SnapshotState | None, seen: dict[str, Path]) -> SnapshotState:
+              state: SnapshotState | None, seen: dict[str, Path], rank_state: int | None = None) -> SnapshotState:
     try:
         with ContainerReader(path, KIND, confined=True) as r:
-            return _read_entries(r, manifest, only, with_buffers, state, seen)
+            return _read_entries(r, manifest, only, with_buffers, state, seen, rank_state)
     except CorruptFileError as e:
         e.path = e.path or path
         raise
@@ -154,8 +180,10 @@ def _check_meta(r: ContainerReader, manifest: Manifest, state: SnapshotState | N
         raise CorruptFileError(f"{where}: unknown compressor {str(meta.get('compressor'))[:40]!r}")
     groups = meta.get("param_groups")
     check_groups(groups, manifest, where, with_names=True)
-    extra = check_json_object(meta.get("extra") or {}, where, "extra")
-    check_json_object(extra.get("data") or {}, where, "the data position")
+    extra = dict(check_json_object(meta.get("extra") or {}, where, "extra"))
+    extra["data"] = check_tracked_state(extra.get("data") or {}, where)
+    if extra.get("end_groups") is not None:
+        check_groups(extra["end_groups"], manifest, f"{where} end of iteration", with_names=False)
     if not isinstance(extra.get("compressor_state_exact", True), bool):
         raise CorruptFileError(f"{where}: invalid compressor_state_exact")
     assert isinstance(groups, list)  # check_groups made sure
@@ -167,9 +195,10 @@ def _check_meta(r: ContainerReader, manifest: Manifest, state: SnapshotState | N
 
 
 def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None, with_buffers: bool,
-                  state: SnapshotState | None, seen: dict[str, Path]) -> SnapshotState:
+                  state: SnapshotState | None, seen: dict[str, Path], rank_state: int | None = None) -> SnapshotState:
     path = r.path
     state = _check_meta(r, manifest, state)
+    shard = r.meta.get("shard") or [0, 1]
     where = f"{path} (step {state.step})"
     scalars = check_json_object(r.meta.get("optimizer_scalars") or {}, where, "optimizer_scalars")
     optimized = set(manifest.optimized_params)
@@ -205,6 +234,14 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
                                        f"{size}")
             if with_buffers:
                 state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
+        elif kind == "rank":
+            # One rank's own state, in that rank's shard (2.2): read only for the rank asked for.
+            rank = _rank_entry(rest, shard, where)
+            pname, key, spec = _compressor_entry(rest.split("/", 1)[1], optimized, manifest, where)
+            if rank == rank_state:
+                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                check_compressor_tensor(t, spec, key, f"{where} [{name}]")
+                state.rank_compressor_state.setdefault(pname, {})[key] = t
         elif kind in ("optim", "compressor"):
             pname, _, key = rest.rpartition("/")
             if pname not in optimized or not STATE_KEY_RE.match(key):
@@ -235,6 +272,26 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
             continue
         state.optimizer_state.setdefault(pname, {}).update(decoded)
     return state
+
+
+def _rank_entry(rest: str, shard: Any, where: str) -> int:
+    """The rank of a ``rank/RRRRR/compressor/NAME/KEY`` entry, which only that rank's shard of a set may hold."""
+    parts = rest.split("/", 1)
+    if len(parts) != 2 or not re.fullmatch(r"\d{5}", parts[0]) or not parts[1].startswith("compressor/"):
+        raise CorruptFileError(f"{where}: unknown per-rank entry {rest[:80]!r}")
+    rank = int(parts[0])
+    if not (isinstance(shard, list) and len(shard) == 2 and shard[1] > 1 and shard[0] == rank):
+        raise CorruptFileError(f"{where}: per-rank state of rank {rank} in shard {str(shard)[:20]} (each rank's "
+                               "own state is in its own shard of a sharded snapshot)")
+    return rank
+
+
+def _compressor_entry(rest: str, optimized: set[str], manifest: Manifest, where: str) -> tuple[str, str, Any]:
+    pname, _, key = rest.removeprefix("compressor/").rpartition("/")
+    if pname not in optimized or not STATE_KEY_RE.match(key):
+        raise CorruptFileError(f"{where}: compressor state {key[:40]!r} of {pname[:80]!r}, which is not an "
+                               "optimized parameter")
+    return pname, key, manifest.param(pname)
 
 
 def _read(r: ContainerReader, name: str, d: dict[str, Any], expect: tuple[tuple[int, ...], str] | None = None,

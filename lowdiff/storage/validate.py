@@ -177,3 +177,10 @@ def check_json_object(value: Any, where: str, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CorruptFileError(f"{where}: {what} is {type(value).__name__}, not an object")
     return value
+
+
+def check_tracked_state(value: Any, where: str) -> dict[str, Any]:
+    """The state of the objects ``opt.track`` registered, by name (FORMAT.md section 7): a JSON object whose values
+    decode (tagged forms well-formed, nesting bounded). Returns it decoded."""
+    check_json_object(value, where, "the tracked state")
+    return {k: _decode(v, f"{where} tracked {k[:40]!r}") for k, v in value.items()}

@@ -1,6 +1,6 @@
 """One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--world-tag TAG] [--auto] [--probe]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--auto] [--probe]
 Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
 With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
 last snapshot step) in force after each step to REF_OUT.rankR.sched. --probe (with --auto): a tiny MTBF, a
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("ref_out")
     ap.add_argument("--die-at", type=int, default=0, help="rank 1 exits abruptly at this step")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-at", default="latest", help="opt.resume(at=...): latest or snapshot")
     ap.add_argument("--continuous-rng", action="store_true",
                     help="seed once before wrap and let resume() restore each rank's RNG (exact continuation)")
     ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
@@ -69,9 +70,11 @@ def main() -> None:
         # a disk with 5 ms more per committed file (left in force until the worker exits)
         intercept_writes(before_commit=lambda path: time.sleep(0.005)).__enter__()
     opt = lowdiff.wrap(inner, ddp, cfg)
-    start = opt.resume() if args.resume else 0
+    start = opt.resume(at=args.resume_at) if args.resume else 0
     refs = []
     losses = []
+    if rank == 0:
+        print(f"START {start}", flush=True)
     sched = []
     if not args.continuous_rng:
         torch.manual_seed(99 + rank + 1000 * start)

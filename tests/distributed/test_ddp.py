@@ -14,6 +14,8 @@ import torch
 
 import lowdiff
 from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff.storage.manifest import read_manifest
+from lowdiff.storage.snapshot import read_rank_state
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -123,6 +125,48 @@ def test_two_rank_resume_continues_exactly(tmp_path: Path) -> None:
         assert all(a[s] == b[s] for s in range(7, 11)), rank
 
 
+def assert_continues_exactly(full: Path, resumed: Path, first: int) -> None:
+    """Steps ``first``.. of the resumed run equal the uninterrupted run's, on both ranks (state and losses)."""
+    a = {s: (m, o) for s, m, o in torch.load(full, weights_only=False)}
+    b = torch.load(resumed, weights_only=False)
+    assert b and b[0][0] == first
+    for step, model_sd, optim_sd in b:
+        for k, v in a[step][0].items():
+            assert torch.equal(v, model_sd[k]), (step, k)
+        assert a[step][1]["param_groups"] == optim_sd["param_groups"]
+        for i, st in a[step][1]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, optim_sd["state"][i][k]), (step, i, k)
+    for rank in range(2):
+        la, lb = dict(torch.load(f"{full}.rank{rank}.losses")), dict(torch.load(f"{resumed}.rank{rank}.losses"))
+        assert all(la[s] == lb[s] for s in lb), rank
+
+
+def test_topk_resume_at_snapshot_step_is_exact(tmp_path: Path) -> None:
+    """Top-k's error-feedback residuals differ per rank: each rank snapshots its own (FORMAT.md section 4), so a
+    2-rank run stopped at snapshot step 10 and resumed on 2 ranks continues bit for bit from the first step."""
+    torchrun(2, str(tmp_path / "a"), "topk", "14", str(tmp_path / "a.pt"), "--continuous-rng")
+    torchrun(2, str(tmp_path / "b"), "topk", "10", str(tmp_path / "b1.pt"), "--continuous-rng")
+    out = torchrun(2, str(tmp_path / "b"), "topk", "14", str(tmp_path / "b2.pt"), "--continuous-rng", "--resume")
+    assert "START 10" in out.stdout
+    assert_continues_exactly(tmp_path / "a.pt", tmp_path / "b2.pt", 11)
+    snap = list_snapshots(tmp_path / "b")[10]
+    residuals = [read_rank_state(snap, read_manifest(tmp_path / "b"), r) for r in range(2)]
+    assert residuals[0].keys() == residuals[1].keys() and residuals[0]
+    assert any(not torch.equal(residuals[0][n]["residual"], residuals[1][n]["residual"]) for n in residuals[0])
+
+
+def test_powersgd_resume_at_snapshot_between_snapshots(tmp_path: Path) -> None:
+    """Stopped at step 12, between snapshots 10 and 15: resume(at="snapshot") goes back to 10 on both ranks and the
+    redone steps 11-14 equal the uninterrupted run's."""
+    torchrun(2, str(tmp_path / "a"), "powersgd", "14", str(tmp_path / "a.pt"), "--continuous-rng")
+    torchrun(2, str(tmp_path / "b"), "powersgd", "12", str(tmp_path / "b1.pt"), "--continuous-rng")
+    out = torchrun(2, str(tmp_path / "b"), "powersgd", "14", str(tmp_path / "b2.pt"), "--continuous-rng", "--resume",
+                   "--resume-at", "snapshot")
+    assert "START 10" in out.stdout
+    assert_continues_exactly(tmp_path / "a.pt", tmp_path / "b2.pt", 11)
+
+
 def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
     """snapshot.every_steps / log.batch_steps auto on 2 ranks: rank 0's tuner decides, both ranks have the same
     values in force at every step, so every snapshot and segment is a complete 2-shard set; recovery is exact."""
@@ -137,10 +181,13 @@ def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
     s0 = torch.load(f"{tmp_path / 'ref.pt'}.rank0.sched")
     s1 = torch.load(f"{tmp_path / 'ref.pt'}.rank1.sched")
     assert s0 == s1 and len(s0) == steps
-    # Decisions are taken at multiples of 8 and in force from the next step on, on both ranks.
+    # Decisions are taken at multiples of 8 and in force from the next step on, on both ranks. s1[k - 1] is read
+    # right after opt.step() of step k: the settings in force for step k (the checkpointer takes a step's record
+    # when its iteration ends, at the next opt.step()).
     for d in decisions:
         assert d["step"] % 8 == 0
-        assert s1[d["step"] - 1][1:3] == (d["every_steps"], d["batch_steps"]), d
+        if d["step"] < steps:
+            assert s1[d["step"]][1:3] == (d["every_steps"], d["batch_steps"]), d
     assert {(f, b) for _, f, b, _ in s1} != {(128, 16)}  # the schedule did move off the bootstrap values
     # Every file belongs to a complete shard set: the ranks cut segments and snapshotted at the same steps.
     snap_files = [parse_snapshot_name(p.name) for p in (run / SNAPSHOT_DIR).iterdir()]
@@ -192,12 +239,13 @@ def test_auto_probe_is_broadcast(tmp_path: Path) -> None:
     s0 = torch.load(f"{tmp_path / 'ref.pt'}.rank0.sched")
     s1 = torch.load(f"{tmp_path / 'ref.pt'}.rank1.sched")
     assert s0 == s1 and len(s0) == steps
-    for d in decisions:
-        assert d["step"] % 8 == 0 and s1[d["step"] - 1][1:3] == (d["every_steps"], d["batch_steps"]), d
+    for d in decisions:  # s1[k - 1]: read after opt.step() of step k, the settings in force for step k
+        assert d["step"] % 8 == 0 and (d["step"] >= steps or s1[d["step"]][1:3] == (d["every_steps"],
+                                                                                   d["batch_steps"])), d
     # In force for steps start + 1 .. end on both ranks (taken after step start): the probe's settings; no snapshot.
-    for step, f, b, _ in s1[start - 1:end - 1]:
+    for step, f, b, _ in s1[start:end]:
         assert (f, b) == (p["every_steps"], p["batch_steps"]), (step, f, b)
-    assert s1[end - 1][3] <= start
+    assert s1[end][3] <= start
     snaps, segs = list_snapshots(run), list_segments(run)
     assert len(list((run / SNAPSHOT_DIR).iterdir())) == 2 * len(snaps)
     assert len(list((run / LOG_DIR).iterdir())) == 2 * len(segs)

@@ -104,3 +104,22 @@ def test_compact_then_recover_is_still_exact(run) -> None:
     rec = lowdiff.recover(root, workers=1)
     assert rec.step == STEPS
     assert_state_equal(*refs[STEPS], rec)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--output", "/nonexistent/dir/x.pt"], "directory /nonexistent/dir does not exist"),
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--step", "-1"], "--step must be 0 or more"),
+], ids=["output-dir-missing", "workers-0", "negative-step"])
+def test_recover_refuses_bad_arguments_before_any_work(run, monkeypatch, capsys, args: list[str],
+                                                       message: str) -> None:
+    """One line on stderr, exit status 2, and nothing replayed (recover() is never called)."""
+    root, _ = run
+    called = []
+    monkeypatch.setattr(cli, "recover", lambda *a, **k: called.append(a))
+    for main, prog in ((cli.recover_main, "lowdiff-recover"), (lambda argv: cli.main(["recover", *argv]),
+                                                               "lowdiff recover")):
+        assert main([str(root), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and message in err, err
+    assert called == []

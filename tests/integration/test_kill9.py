@@ -32,7 +32,7 @@ KILL_STEPS = sorted(random.Random(KILL_SEED).sample(range(1, STEPS - 3), N_KILLS
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """The uninterrupted run, computed in this process with the same scenario (same seeds)."""
-    return train_run(SCENARIO, tmp_path_factory.mktemp("ref") / "run", STEPS).refs
+    return train_run(SCENARIO, tmp_path_factory.mktemp("ref") / "run", STEPS)
 
 
 def _readline(proc: subprocess.Popen, deadline: float) -> str:
@@ -91,7 +91,7 @@ def test_sigkill_then_recover_is_exact(tmp_path: Path, reference, kill_after: in
     assert rec.step >= durable, note
     assert rec.step <= STEPS, note
     assert rec.report.skipped == [], note
-    assert_state_equal(*reference[rec.step], rec)
+    assert_state_equal(*reference.refs[rec.step], rec)
     # Earlier steps are exact too. The only ones allowed to be missing are the few just before a snapshot
     # that committed while their segment was still being batched when the child died.
     for k in sorted(set(range(0, rec.step, 4)) | {max(rec.step - 1, 0)}):
@@ -101,7 +101,7 @@ def test_sigkill_then_recover_is_exact(tmp_path: Path, reference, kill_after: in
             later = [s for s in lowdiff.storage.format.list_snapshots(run_dir) if s > k]
             assert later and later[0] - k < SCENARIO.batch_steps, f"{note}: step {k} lost"
             continue
-        assert_state_equal(*reference[k], r)
+        assert_state_equal(*reference.refs[k], r)
 
 
 def test_sigkill_then_resume_in_this_process(tmp_path: Path, reference) -> None:
@@ -111,7 +111,8 @@ def test_sigkill_then_resume_in_this_process(tmp_path: Path, reference) -> None:
     t = start(SCENARIO, run_dir, resume=False)
     k = t.opt.resume()
     assert k >= durable
-    assert_state_equal(*reference[k], SimpleNamespace(model=t.model.state_dict(), optimizer=t.inner.state_dict()))
+    # The end of iteration k: the optimizer holds the learning rate the scheduler set for step k + 1.
+    assert_state_equal(*reference.ends[k], SimpleNamespace(model=t.model.state_dict(), optimizer=t.inner.state_dict()))
     assert not list(run_dir.rglob("*.tmp")), "stale *.tmp files are removed by the next writer"
     t.opt.close()
 

@@ -217,12 +217,16 @@ def test_disabled_writes_nothing_and_trains_the_same(tmp_path: Path) -> None:
 
 def test_unsupported_optimizer_surface(run_dir: Path) -> None:
     t = start(Scenario(), run_dir)
+    other = copy.deepcopy(t.inner.state_dict())
+    other["param_groups"][0]["lr"] = 0.5
     with pytest.raises(lowdiff.UnsupportedError):
-        t.opt.load_state_dict(t.inner.state_dict())
+        t.opt.load_state_dict(other)
+    t.opt.load_state_dict(t.inner.state_dict())  # the state it has (accelerate reloads it for device placement)
     with pytest.raises(lowdiff.UnsupportedError):
         t.opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
-    with pytest.raises(lowdiff.UnsupportedError):
-        t.opt.step(lambda: 0.0)
+    with pytest.raises(lowdiff.UnsupportedError, match="requires a closure"):
+        lowdiff.wrap(torch.optim.LBFGS(t.model.parameters()), t.model, {"run_dir": str(run_dir.parent / "lbfgs")})
+    assert isinstance(t.opt, torch.optim.Optimizer)
     with pytest.raises(lowdiff.LowDiffError, match="already wrapped"):
         lowdiff.wrap(t.opt, t.model, {"run_dir": str(run_dir.parent / "other")})  # type: ignore[arg-type]
     assert t.opt.param_groups is t.inner.param_groups and t.opt.state is t.inner.state

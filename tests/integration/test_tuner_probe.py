@@ -70,10 +70,12 @@ def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, request: pytest.
     assert after and after[0]["reason"].startswith(f"after the probe of steps {start + 1}-{end}: alpha measured")
     assert after[0]["costs"]["write_interference_high"] is not None
     # In force for steps start + 1 .. end: the probe's settings, then the new decision's; no snapshot in between.
-    for f, b, probing, _ in sched[start - 1:end - 1]:
+    # sched[k - 1], read right after opt.step() of step k, holds the settings in force for step k: the checkpointer
+    # takes a step's record when its iteration ends, at the next opt.step().
+    for f, b, probing, _ in sched[start:end]:
         assert (f, b, probing) == (p["every_steps"], PROBE_BATCH_STEPS, True)
-    assert sched[end - 1][:3] == (after[0]["every_steps"], after[0]["batch_steps"], False)
-    assert sched[end - 1][3] <= start
+    assert sched[end][:3] == (after[0]["every_steps"], after[0]["batch_steps"], False)
+    assert sched[end][3] <= start
     snaps = sorted(list_snapshots(run))
     assert not any(start < s <= end for s in snaps)
     # Nothing lost: every step in exactly one segment, the probe's of 8 steps, cut at its start and end.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,37 @@ def test_typical_optimizer_group_round_trips() -> None:
     _same(group, fmt.decode_value(json.loads(json.dumps(fmt.encode_value(group)))))
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(2), {1: "int key"}, {"__tensor__": 1}, {"__tuple__": []}, object(),
-                                 b"bytes"])
+@pytest.mark.parametrize("bad", [torch.zeros(2), object(), b"bytes", {1, 2}, {object(): 1}])
 def test_encode_rejects_what_it_cannot_store(bad: Any) -> None:
     with pytest.raises(TypeError):
         fmt.encode_value(bad)
+
+
+@pytest.mark.parametrize("value", [
+    {1: "int key"}, {"__tensor__": 1}, {"__tuple__": []}, {"__items__": [[1, 2]]}, {(1, "a"): None, 2.5: True},
+    Counter({3: 1, 80: 2}), {"milestones": Counter({30: 1}), "gamma": 0.1, "nested": [{5: (1, 2)}]},
+    {None: 1, True: 2},
+])
+def test_encode_decode_keys_and_counters_losslessly(value: Any) -> None:
+    """Tracked state (a MultiStepLR's milestones are a Counter with int keys) comes back with the same types."""
+    decoded = fmt.decode_value(json.loads(json.dumps(fmt.encode_value(value))))
+    assert decoded == value and type(decoded) is type(value)
+    for k, v in value.items():
+        assert type(decoded[k]) is type(v)
+    assert [type(k) for k in decoded] == [type(k) for k in value]
+
+
+def test_multisteplr_state_round_trips() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], 0.1)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    state = fmt.decode_value(json.loads(json.dumps(fmt.encode_value(sched.state_dict()))))
+    fresh = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+                                                 [9], 0.5)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == sched.state_dict() and isinstance(fresh.milestones, Counter)
 
 
 def test_decode_rejects_unknown_dtypes() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from lowdiff_harness import Scenario, assert_state_equal, train_run
+from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
 from lowdiff.staging import HostCopier, HostPool
@@ -39,7 +39,10 @@ def test_pool_reuses_a_buffer_only_after_release() -> None:
 def test_pooled_records_recover_exactly(tmp_path: Path) -> None:
     # Compressor none on the CPU: every record's gradients sit in pooled buffers that are reused once written.
     s = Scenario(model="mlp_bn", optimizer="adamw", compressor="none", batch_steps=2, every_steps=5)
-    t = train_run(s, tmp_path / "run", 11, close=False)
+    t = start(s, tmp_path / "run")
+    t.train(1, 6)
+    t.opt.flush()  # steps 1-6 committed: their buffers are back in the pool for steps 7-11
+    t.train(7, 11)
     assert t.opt.stats is not None and t.opt.stats.host_buffers_reused > 0
     t.opt.close()
     for k in range(12):

@@ -1,0 +1,137 @@
+"""The wrapper's surroundings: closing it at interpreter exit or when it is collected, the GradScaler hook, and
+the checks ``wrap()`` and ``load_state_dict()`` make. Kept apart from lowdiff/optimizer.py, which is the step."""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowdiff.capture import LayerwiseCapture
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.config import Config
+from lowdiff.errors import UnsupportedError
+from lowdiff.iteration import IterationEnd
+
+if TYPE_CHECKING:
+    from lowdiff.optimizer import LowDiffOptimizer
+
+log = logging.getLogger("lowdiff.optimizer")
+
+OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
+"""Wrappers with a run directory, not closed yet."""
+
+
+@atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler
+def _close_at_exit() -> None:
+    # An uncaught exception ended the script (the interpreter sets sys.last_value before exit handlers run): the
+    # iteration in progress may have stopped halfway, so it is not logged.
+    interrupted = getattr(sys, "last_value", None) is not None
+    for opt in list(OPEN):
+        try:
+            opt.close(interrupted=interrupted)
+        except Exception as e:  # one failure must not keep the others open
+            log.error("lowdiff: closing %s at interpreter exit failed: %s", opt.config.run_dir, e)
+
+
+def release(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None, iteration: IterationEnd | None,
+             interrupted: bool = False) -> None:
+    """What close() does: end (or drop) the iteration in progress, remove the capture hooks, flush the log and
+    release the run directory."""
+    args = (checkpointer, layerwise, iteration, interrupted)
+    if checkpointer.on_writer_thread():
+        # A garbage collection the writer thread happened to run: a flush there would wait for that very thread.
+        threading.Thread(target=_close, args=args, name="lowdiff-close").start()
+        return
+    _close(*args)
+
+
+def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None, iteration: IterationEnd | None,
+           interrupted: bool) -> None:
+    try:
+        if iteration is not None:
+            if interrupted:
+                iteration.drop()
+            else:
+                iteration.seal(strict=False)
+    finally:
+        if layerwise is not None:
+            layerwise.remove()
+        checkpointer.close()
+
+
+def hook_scaler_update(opt: LowDiffOptimizer, scaler: Any) -> None:
+    """Route a tracked GradScaler's ``update()`` through the wrapper (an instance attribute, as LR schedulers patch
+    ``optimizer.step``); the scaler holds the wrapper weakly."""
+    ref = weakref.ref(opt)
+    update = scaler.update
+
+    def lowdiff_update(new_scale: Any = None) -> Any:
+        owner = ref()
+        return update(new_scale) if owner is None else owner._scaler_update(update, new_scale)
+
+    scaler.update = lowdiff_update
+
+
+def init_hook_dicts(opt: torch.optim.Optimizer) -> None:
+    """The hook registries torch.optim.Optimizer.__init__ would create (register_step_pre_hook & co. work)."""
+    for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                 "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                 "_optimizer_load_state_dict_post_hooks"):
+        setattr(opt, attr, OrderedDict())
+
+
+def refuse_reevaluating(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose ``step()`` requires a closure evaluates the loss several times inside one step (LBFGS's
+    line search): no single gradient per step exists to log, so it cannot be replayed."""
+    try:
+        param = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if param is not None and param.default is inspect.Parameter.empty:
+        raise UnsupportedError(f"{type(optimizer).__name__}.step() requires a closure: it re-evaluates the loss "
+                               "inside each step, so no single gradient per step can be logged and replayed")
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Two optimizer state dicts hold the same values (tensors compared bit for bit, on the CPU)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN hyperparameters compare equal
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b`` or a same-shaped view of the same memory (the identity compressor's decode)."""
+    return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def record_bytes_bound(optimized: Any, cc: Any) -> float | None:
+    """An upper bound on one step's record before any is seen, the same on every rank (the tuner caps its
+    bootstrap batch with it): the dense gradient for compressor none, values plus indices (int64 at most) of the
+    kept fraction for Top-k; None for PowerSGD (small factors: the bootstrap batch stands)."""
+    dense = sum(p.numel() * p.element_size() for _, p in optimized)
+    if cc.name == "none":
+        return float(dense)
+    if cc.name == "topk":
+        return dense * float(cc.ratio) * 3.0  # 4-byte value + up to 8-byte index per kept element of 4 bytes
+    return None
+
+
+def wants_layerwise(config: Config) -> bool:
+    # auto = step: on the CPU a hook's copy overlaps nothing, and on an H100 the step-time staging (itself
+    # overlapping inner.step) measured as fast or faster (docs/reference/design.md).
+    return config.log.capture == "layerwise"
+
+
