@@ -16,7 +16,6 @@ from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
 from lowdiff.recovery.verify import verify
-from lowdiff.storage import lock as lock_mod
 from lowdiff.storage.format import list_segments, list_snapshots
 from lowdiff.storage.manifest import read_manifest, run_id_from_ints, run_id_to_ints, shared_run_id
 
@@ -101,11 +100,11 @@ def test_disk_full_at_the_writer_lock_names_the_lock(tmp_path: Path, monkeypatch
     def full(fd: int, n: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lock_mod.os, "ftruncate", full)
+    monkeypatch.setattr(os, "ftruncate", full)  # the disk, not lowdiff, is patched
     with pytest.raises(lowdiff.CheckpointWriteError) as e:
         start(Scenario(), tmp_path / "run")
     assert e.value.errno == errno.ENOSPC and "writer.lock" in str(e.value) and "free disk space" in str(e.value)
-    monkeypatch.setattr(lock_mod.os, "ftruncate", real)
+    monkeypatch.setattr(os, "ftruncate", real)
     t = start(Scenario(), tmp_path / "run")  # nothing left locked
     t.opt.close()
 
