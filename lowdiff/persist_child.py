@@ -29,7 +29,7 @@ from multiprocessing.reduction import recv_handle
 from typing import Any
 
 from lowdiff.errors import RunLockedError
-from lowdiff.ring import Arena, unpack
+from lowdiff.ring import Arena, unpack, unpack_record
 from lowdiff.staging import Staged
 from lowdiff.storage.format import Shard
 from lowdiff.storage.lock import WriterLock
@@ -119,6 +119,7 @@ class _Session:
         self.reporter = reporter
         self.rings: dict[str, tuple[int, Arena]] = {}
         self.pending: tuple[Staged[StepRecord], bool] | None = None
+        self.layouts: dict[int, Any] = {}
 
     def serve(self) -> bool:
         """Handle messages until ``close`` (True) or until the training process is gone (False)."""
@@ -176,16 +177,17 @@ class _Session:
         return False
 
     def _record(self, msg: Any) -> None:
-        _, step, ring_id, aid, offset, nbytes, regions, places, skel, groups, data, skipped, keep = msg
+        _, step, ring_id, aid, offset, nbytes, layout_id, new_layout, groups, data, skipped, keep = msg
+        if new_layout is not None:
+            self.layouts[layout_id] = new_layout
         if self.pending is not None:  # cannot happen with a well-behaved trainer: never leave a slot behind
             log.error("lowdiff: step %d arrived before step %d ended; the latter is dropped", step,
                       self.pending[0].item.step)
             self.pending[0].release()
         rid, ring = self.rings["r"]
         assert rid == ring_id, (rid, ring_id)
-        t = unpack(skel, regions, places, ring.buf[offset:offset + nbytes])
-        rec = StepRecord(step=step, groups=groups, grads=t["grads"], buffers=t["buffers"], rng=t["rng"], data=data,
-                         skipped=skipped)
+        grads, buffers, rng = unpack_record(self.layouts[layout_id], ring.buf[offset:offset + nbytes])
+        rec = StepRecord(step=step, groups=groups, grads=grads, buffers=buffers, rng=rng, data=data, skipped=skipped)
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), keep)
 
     def _take_pending(self, step: int) -> tuple[Staged[StepRecord], bool]:

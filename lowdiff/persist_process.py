@@ -29,7 +29,7 @@ from typing import Any
 
 import lowdiff
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.ring import Arena, RingAllocator, layout, pack, skeleton
+from lowdiff.ring import Arena, RecordPacker, RingAllocator, layout, pack, skeleton
 from lowdiff.staging import Staged
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
@@ -65,6 +65,7 @@ class ProcessWriter:
         self._ring: Arena | None = None
         self._alloc = RingAllocator(0)
         self._ring_id = 0
+        self._packer = RecordPacker()
         self._records = 0  # records sent and not yet released by the persistence process
         self._snap: Arena | None = None
         self._snap_busy = False
@@ -135,17 +136,17 @@ class ProcessWriter:
         ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
         tracked changes at the end of an iteration)."""
         rec = record.wait()
-        tensors: list[Any] = []
-        skel = skeleton({"grads": rec.grads, "buffers": rec.buffers, "rng": rec.rng}, tensors)
-        regions, places, nbytes = layout(tensors)
+        packer = self._packer
+        tensors, new_layout = packer.plan(rec.grads, rec.buffers, rec.rng)
+        nbytes = packer.nbytes
         got = self._alloc_record(nbytes)
         if got is None or self._ring is None:  # the persistence process died: take_error() says so
             record.release()
             return
         aid, offset = got
-        pack(tensors, regions, self._ring.buf[offset:offset + nbytes])
+        packer.pack(tensors, self._ring.buf[offset:offset + nbytes])
         record.release()
-        self._send(("rec", rec.step, self._ring_id, aid, offset, nbytes, regions, places, skel, rec.groups,
+        self._send(("rec", rec.step, self._ring_id, aid, offset, nbytes, packer.layout_id, new_layout, rec.groups,
                     rec.data, rec.skipped, keep_if_orphaned))
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
