@@ -88,7 +88,7 @@ def one(work: Path, i: int, sig: int, rng: random.Random, persistence: str) -> d
     kill_after = rng.randrange(1, STEPS - 5)
     delay = rng.uniform(0, 0.03)
     proc = subprocess.Popen([sys.executable, __file__, "--trainer", str(run_dir), persistence],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=(work / f"run-{i}.stderr").open("wb"),
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == b"START"
@@ -103,6 +103,8 @@ def one(work: Path, i: int, sig: int, rng: random.Random, persistence: str) -> d
     returned = int(rest[-1]) if rest else returned
     t0 = time.monotonic()
     while not all(gone(p) for p in helpers):
+        if time.monotonic() - t0 > 60:
+            raise RuntimeError(f"run {i}: the persistence process did not exit (see {work}/run-{i}.stderr)")
         time.sleep(0.01)
     commit_s = time.monotonic() - t0
     rec = lowdiff.recover(run_dir, workers=1)

@@ -107,9 +107,22 @@ def main(fd: int) -> None:
                           durable_step=w["durable_step"], shadow=start["shadow"])
     writer.reporter = reporter
     session = _Session(conn, writer, reporter)
-    if session.serve():
-        return
-    session.orphaned(run_dir)
+    code = 0
+    try:
+        if not session.serve():
+            session.orphaned(run_dir)
+    except BaseException:
+        # Never leave with the writer thread in the middle of a write: a daemon thread that stops at interpreter
+        # exit while holding h5py's lock would hang the exit, and its file would stay uncommitted.
+        log.exception("lowdiff: the persistence process of %s failed; committing what it holds", run_dir.path)
+        code = 1
+        try:
+            writer.close()
+        except BaseException:
+            log.exception("lowdiff: closing the writer failed")
+    finally:
+        logging.shutdown()
+    os._exit(code)  # the writer thread has finished: skip interpreter teardown (h5py, torch) altogether
 
 
 class _Session:
@@ -133,8 +146,11 @@ class _Session:
                 msg = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError, pickle.UnpicklingError):
                 return False
-            if self.handle(msg):
-                return True
+            try:
+                if self.handle(msg):
+                    return True
+            except (EOFError, ConnectionError):  # the trainer died in the middle of handing a descriptor over
+                return False
 
     def handle(self, msg: Any) -> bool:
         kind = msg[0]

@@ -79,7 +79,8 @@ class ProcessWriter:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         t0 = time.perf_counter()
         self._proc = subprocess.Popen([sys.executable, "-m", "lowdiff.persist_child", str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
         _send_bytes(self._conn, {
