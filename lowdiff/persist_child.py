@@ -96,7 +96,8 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=fd).detach())
     start = pickle.loads(conn.recv_bytes())
-    logging.basicConfig(level=start["log_level"], format="%(levelname)s %(name)s[persist %(process)d] %(message)s")
+    logging.basicConfig(level=start["log_level"],
+                        format="%(asctime)s %(levelname)s %(name)s[persist %(process)d] %(message)s")
     run_dir = RunDir(start["path"], Shard(*start["shard"]), compressor_params=start["compressor_params"])
     run_dir.run_id = start["run_id"]
     w = dict(start["writer"])
@@ -122,6 +123,7 @@ def main(fd: int) -> None:
             log.exception("lowdiff: closing the writer failed")
     finally:
         logging.shutdown()
+    log.info("lowdiff: persistence process exits (%d)", code)
     os._exit(code)  # the writer thread has finished: skip interpreter teardown (h5py, torch) altogether
 
 
@@ -215,6 +217,7 @@ class _Session:
     def orphaned(self, run_dir: RunDir) -> None:
         """The training process is gone: commit what it handed over, under the writer lock, and return."""
         writer = self.writer
+        log.info("lowdiff: the trainer of %s is gone; committing what it handed over", run_dir.path)
         lock: WriterLock | _NoLock | None = None
         if run_dir.shard.index != 0:  # under DDP rank 0 holds the job's lock; its persistence process takes it
             lock = _NoLock()
