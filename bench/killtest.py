@@ -120,7 +120,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--persistence", default="process", choices=("thread", "process"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "killtest.json")
+    ap.add_argument("--smoke", action="store_true", help="2 kills and 1 SIGTERM: checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.kills, args.terms = 2, 1
     if args.trainer:
         trainer(*args.trainer)
         return

@@ -101,6 +101,10 @@ def main(fd: int) -> None:
     run_dir = RunDir(start["path"], Shard(*start["shard"]), compressor_params=start["compressor_params"])
     run_dir.run_id = start["run_id"]
     w = dict(start["writer"])
+    if start["shadow"] is not None:
+        # The replica's first optimizer step imports torch._dynamo (2 s here): before "ready", so that the wait
+        # counts as start-up, not as a slow disk.
+        import torch._dynamo  # noqa: F401
     reporter = _Reporter(conn)
     _ChildWriter.reporter = reporter
     writer = _ChildWriter(run_dir, batch_steps=w["batch_steps"], codec=w["codec"], compressor=w["compressor"],
@@ -108,6 +112,7 @@ def main(fd: int) -> None:
                           durable_step=w["durable_step"], shadow=start["shadow"])
     writer.reporter = reporter
     session = _Session(conn, writer, reporter)
+    reporter.send(("ready",))
     code = 0
     try:
         if not session.serve():

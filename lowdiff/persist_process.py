@@ -73,6 +73,9 @@ class ProcessWriter:
         self._token = 0
         self._closed = False
         self._dead = False
+        self._ready = False
+        self.start_wait_s = 0.0
+        """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         root = str(Path(lowdiff.__file__).resolve().parents[1])  # the child imports this very lowdiff
@@ -237,14 +240,18 @@ class ProcessWriter:
             self._send_arena("r", self._ring_id, self._ring)
         got = self._alloc.alloc(nbytes) if self._records < self._max_records() else None
         if got is None:
-            t0 = time.perf_counter()
+            t0, ready = time.perf_counter(), self._ready
             while got is None:
                 if self._dead:
                     return None
                 self._recv(block=True)
                 if self._records < self._max_records():
                     got = self._alloc.alloc(nbytes)
-            self.stats.blocked_s += time.perf_counter() - t0
+            if ready:
+                self.stats.blocked_s += time.perf_counter() - t0
+            else:  # the process was still starting (importing torch), not a slow disk
+                self.start_wait_s += time.perf_counter() - t0
+                log.info("lowdiff: training waited %.1f s for the persistence process to start", self.start_wait_s)
         self._records += 1
         return got
 
@@ -315,5 +322,7 @@ class ProcessWriter:
             self._error, self._reported, self._broken = CheckpointWriteError(*msg[1]), False, True
         elif kind == "flushed":
             self._flushed = msg[1]
+        elif kind == "ready":
+            self._ready = True
         elif kind == "closed":
             self._dead = True

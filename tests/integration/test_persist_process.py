@@ -3,6 +3,7 @@ exception) loses no step whose ``opt.step()`` returned: the persistence process 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
@@ -98,7 +100,11 @@ def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: in
     assert_state_equal(*reference.refs[rec.step], rec)
 
 
-def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, reference) -> None:
+@pytest.mark.parametrize("persistence", ["process", "thread"])
+def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, reference, persistence: str) -> None:
+    """Nothing tracked at the end of an iteration: the iteration in progress is complete when opt.step() returns, so
+    an exception before the next step loses nothing (the thread commits it at interpreter exit)."""
+    scenario = dataclasses.replace(SCENARIO, persistence=persistence)
     code = (
         "import sys, json; sys.path.insert(0, sys.argv[3])\n"
         "from lowdiff_harness import Scenario, start\n"
@@ -107,7 +113,7 @@ def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, refere
         "    t.step(k)\n"
         "raise RuntimeError('boom')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), json.dumps(SCENARIO.to_dict()),
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), json.dumps(scenario.to_dict()),
                           str(Path(__file__).parents[1])], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "boom" in out.stderr
     rec = lowdiff.recover(tmp_path / "run", workers=1)
@@ -133,3 +139,26 @@ def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Pa
 def test_bad_persistence_value_is_refused(tmp_path: Path) -> None:
     with pytest.raises(lowdiff.ConfigError, match="log.persistence"):
         lowdiff.Config.from_dict({"run_dir": str(tmp_path), "log": {"persistence": "fork"}})
+
+
+def test_shadow_replica_runs_in_the_persistence_process(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+                                      "snapshot": {"every_steps": 4, "shadow": True},
+                                      "log": {"batch_steps": 3, "persistence": "process"}})
+    for k in range(11):
+        model(torch.randn(5, 6, generator=torch.Generator().manual_seed(k))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.flush() == 11
+    st = opt.stats
+    assert st is not None and st.shadow and st.snapshots == 2 and st.write_error is None
+    opt.close()
+    rec = lowdiff.recover(tmp_path / "run", step=8, workers=1)
+    assert rec.step == 8
+    last = lowdiff.recover(tmp_path / "run", workers=1)
+    assert last.step == 11
+    for name, t in model.state_dict().items():
+        assert torch.equal(last.model[name], t), name
