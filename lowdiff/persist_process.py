@@ -39,7 +39,7 @@ from lowdiff.writer import WriterStats
 log = logging.getLogger(__name__)
 
 RING_MAX_BYTES = 1 << 30
-"""The record ring never grows past this (or 4 records, if larger): fewer records in flight instead."""
+"""The record ring grows past this only to hold one segment's records: fewer segments in flight instead."""
 RING_MIN_BYTES = 4 << 20
 
 
@@ -227,13 +227,18 @@ class ProcessWriter:
     # -- internals -------------------------------------------------------------------------------------------
 
     def _alloc_record(self, nbytes: int) -> tuple[int, int] | None:
-        if self._ring is None or max(nbytes, 64) > self._alloc.capacity:
-            if not self._wait(lambda: self._records == 0):
-                return None
+        per = max(nbytes, 64) + 64
+        # A ring that cannot hold a whole segment's records would wait forever for the persistence process, which
+        # frees them only once the segment is written: replace it (a larger record, a larger batch_steps).
+        if self._ring is None or (self.batch_steps + 2) * per > self._alloc.capacity:
+            if self._ring is not None and self._records:
+                self.flush()  # the open segment is committed early, so every slot comes back
+                if not self._wait(lambda: self._records == 0):
+                    return None
             if self._ring is not None:
                 self._ring.close()
-            per = max(nbytes, 64) + 64
-            cap = max(RING_MIN_BYTES, min(self._max_records() * per, max(RING_MAX_BYTES, 4 * per)))
+            cap = max(RING_MIN_BYTES, (self.batch_steps + 2) * per,
+                      min(self._max_records() * per, max(RING_MAX_BYTES, 4 * per)))
             self._ring = Arena(cap)
             self._alloc = RingAllocator(cap)
             self._ring_id += 1

@@ -162,3 +162,30 @@ def test_shadow_replica_runs_in_the_persistence_process(tmp_path: Path) -> None:
     assert last.step == 11
     for name, t in model.state_dict().items():
         assert torch.equal(last.model[name], t), name
+
+
+def test_ring_is_replaced_when_records_outgrow_it(tmp_path: Path) -> None:
+    """A parameter that gets its first gradient late makes records 4 MB larger than the ring was sized for: the
+    open segment is committed early and a larger ring replaces the old one; nothing is lost or reordered."""
+    torch.manual_seed(0)
+    small, big = torch.nn.Linear(4, 4), torch.nn.Linear(1024, 1024)
+    model = torch.nn.ModuleDict({"small": small, "big": big})
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+                                      "snapshot": {"every_steps": 100},
+                                      "log": {"batch_steps": 4, "persistence": "process"}})
+    states = {}
+    for k in range(1, 11):
+        loss = small(torch.randn(2, 4, generator=torch.Generator().manual_seed(k))).sum()
+        if k > 5:
+            loss = loss + big(torch.randn(2, 1024, generator=torch.Generator().manual_seed(k))).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        states[k] = {n: t.clone() for n, t in model.state_dict().items()}
+    assert opt.flush() == 10
+    opt.close()
+    for k in (5, 7, 10):
+        rec = lowdiff.recover(tmp_path / "run", step=k, workers=1)
+        for name, t in states[k].items():
+            assert torch.equal(rec.model[name], t), (k, name)
