@@ -36,6 +36,7 @@ from lowdiff.storage.lock import WriterLock
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState
+from lowdiff.testing import apply_persistence_env
 from lowdiff.writer import BackgroundWriter
 
 log = logging.getLogger("lowdiff.persist")
@@ -98,6 +99,7 @@ def main(fd: int) -> None:
     start = pickle.loads(conn.recv_bytes())
     logging.basicConfig(level=start["log_level"],
                         format="%(asctime)s %(levelname)s %(name)s[persist %(process)d] %(message)s")
+    apply_persistence_env()  # lowdiff.testing's fault injection, when a test asked for it
     run_dir = RunDir(start["path"], Shard(*start["shard"]), compressor_params=start["compressor_params"])
     run_dir.run_id = start["run_id"]
     w = dict(start["writer"])

@@ -4,7 +4,9 @@ exception) loses no step whose ``opt.step()`` returned: the persistence process 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
+import lowdiff.testing
 
 CHILD = Path(__file__).with_name("kill9_child.py")
 STEPS = 40
@@ -121,19 +124,56 @@ def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, refere
     assert_state_equal(*reference.refs[7], rec)
 
 
-def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_write_error", ["raise", "warn"])
+def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Path, on_write_error: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     run_dir = tmp_path / "run"
-    s = Scenario(compressor="topk", batch_steps=2, every_steps=100, scheduler=False, persistence="process")
-    t = train_run(s, run_dir, 2, close=False)
-    (run_dir / "log").rename(tmp_path / "moved-log")
-    (run_dir / "log").write_text("not a directory")  # the next segment commit fails
-    t.step(3)
-    t.step(4)
-    with pytest.raises(lowdiff.CheckpointWriteError):
-        t.opt.flush()
-        t.step(5)
-    assert t.opt.stats is not None and t.opt.stats.write_error is not None
-    t.opt.close()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(run_dir), "compressor": {"name": "none"}, "on_write_error": on_write_error,
+            "snapshot": {"every_steps": 100}, "log": {"batch_steps": 2, "persistence": "process"}})
+
+    def step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    if on_write_error == "raise":
+        with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
+            opt.flush()
+    else:
+        with caplog.at_level(logging.WARNING, logger="lowdiff"):
+            opt.flush()
+            step()
+        assert any("No space left" in r.getMessage() for r in caplog.records)
+    st = opt.stats
+    assert st is not None and st.write_error is not None and st.durable_step == 0
+    opt.close()
+
+
+def test_slow_persistence_process_blocks_the_step_and_says_so(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=0.3):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 100},
+            "log": {"batch_steps": 1, "queue_depth": 1, "persistence": "process", "backpressure_warn_s": 0.2}})
+    opt.flush()  # the process has started: what follows waits for its commits only
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        for _ in range(12):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    st = opt.stats
+    assert st is not None and st.blocked_s > 0.2 and st.queued <= 2 * 1 + 2
+    assert any("waited" in r.getMessage() and "checkpoint writer" in r.getMessage() for r in caplog.records)
+    assert opt.flush() == 12
+    opt.close()
 
 
 def test_bad_persistence_value_is_refused(tmp_path: Path) -> None:
