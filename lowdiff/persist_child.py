@@ -164,6 +164,8 @@ class _Session:
     def handle(self, msg: Any) -> bool:
         kind = msg[0]
         writer = self.writer
+        if kind == "multi":
+            return any([self.handle(m) for m in msg[1]])
         if kind == "rec":
             self._record(msg)
         elif kind == "seal":

@@ -74,6 +74,8 @@ class ProcessWriter:
         self._closed = False
         self._dead = False
         self._ready = False
+        self._outbox: Any = None  # a seal waiting for the next message
+        self._kept_if_orphaned = False
         self.start_wait_s = 0.0
         """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         ours, theirs = socket.socketpair()
@@ -150,6 +152,7 @@ class ProcessWriter:
         aid, offset = got
         packer.pack(tensors, self._ring.buf[offset:offset + nbytes])
         record.release()
+        self._kept_if_orphaned = keep_if_orphaned
         self._send(("rec", rec.step, self._ring_id, aid, offset, nbytes, packer.layout_id, new_layout, rec.groups,
                     rec.data, rec.skipped, keep_if_orphaned))
 
@@ -157,7 +160,13 @@ class ProcessWriter:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
         rec = record.item
         record.release()
-        self._send(("seal", rec.step, rec.data, rec.end_groups))
+        msg = ("seal", rec.step, rec.data, rec.end_groups)
+        if self._kept_if_orphaned:
+            # The persistence process would commit this record as it is if the trainer died now: the seal rides
+            # with the next message (one socket write per step instead of two).
+            self._outbox = msg
+        else:
+            self._send(msg)
 
     def drop(self, step: int) -> None:
         self._send(("drop", step))
@@ -246,6 +255,7 @@ class ProcessWriter:
         got = self._alloc.alloc(nbytes) if self._records < self._max_records() else None
         if got is None:
             t0, ready = time.perf_counter(), self._ready
+            self._push()  # the process may be waiting for that seal to complete the segment that frees slots
             while got is None:
                 if self._dead:
                     return None
@@ -270,6 +280,8 @@ class ProcessWriter:
         if self._dead:
             self._died()
             return
+        if self._outbox is not None:
+            msg, self._outbox = ("multi", [self._outbox, msg]), None
         try:
             _send_bytes(self._conn, msg)
         except OSError:
@@ -291,8 +303,14 @@ class ProcessWriter:
         while not self._dead and not self._closed and self._conn.poll():
             self._recv(block=False)
 
+    def _push(self) -> None:
+        if self._outbox is not None:
+            msg, self._outbox = self._outbox, None
+            self._send(msg)
+
     def _wait(self, done: Any) -> bool:
         """Handle messages until ``done()``; False when the persistence process died first (recorded)."""
+        self._push()
         while not done():
             if self._dead:
                 self._died()
