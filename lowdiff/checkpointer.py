@@ -106,10 +106,15 @@ class Checkpointer:
         cfg = self.config
         self.policy.start(durable_step)
         self._last_submitted = durable_step
-        self._writer = BackgroundWriter(self.run_dir, batch_steps=self.policy.batch_steps,
-                                        codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
-                                        compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
-                                        retention=self.retention, durable_step=durable_step, shadow=shadow)
+        cls: Any = BackgroundWriter
+        if cfg.log.persistence == "process":
+            from lowdiff.persist_process import ProcessWriter
+
+            cls = ProcessWriter
+        self._writer = cls(self.run_dir, batch_steps=self.policy.batch_steps,
+                           codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
+                           compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
+                           retention=self.retention, durable_step=durable_step, shadow=shadow)
 
     def on_writer_thread(self) -> bool:
         """Whether the caller runs on the background writer's thread."""
@@ -139,6 +144,20 @@ class Checkpointer:
         replica does not provide)."""
         return (self._writer is not None and self.policy.wants_snapshot(step)
                 and not self._writer.shadow_ok)
+
+    def on_hold(self, record: Staged[StepRecord], *, keep_if_orphaned: bool) -> None:
+        """``opt.step()`` has applied the step of ``record``; its iteration has not ended. A persistence process
+        takes the record now (so a crash of the training process cannot lose it); a writer thread at
+        :meth:`on_step`."""
+        submit = getattr(self._writer, "submit_early", None)
+        if submit is not None:
+            submit(record, keep_if_orphaned)
+
+    def on_drop(self, step: int) -> None:
+        """The iteration of ``step`` was interrupted and is not logged (its record was handed over early)."""
+        drop = getattr(self._writer, "drop", None)
+        if drop is not None:
+            drop(step)
 
     def on_step(self, record: Staged[StepRecord], *, snapshot: Staged[SnapshotState] | None = None,
                 snapshot_block_s: float = 0.0, apply_s: float | None = None) -> None:

@@ -23,6 +23,7 @@ COMPRESSORS = ("topk", "powersgd", "none")
 CODECS = ("none", "lz4", "zstd", "shuffle-lz4", "shuffle-zstd")
 ON_WRITE_ERROR = ("raise", "warn")
 CAPTURES = ("auto", "layerwise", "step")
+PERSISTENCE = ("thread", "process")
 AUTO = "auto"
 """The value of ``snapshot.every_steps`` / ``log.batch_steps`` that hands the knob to the tuner."""
 
@@ -129,6 +130,10 @@ class LogConfig:
     them (one concatenation and one copy per bucket); the last, partial bucket is copied in step(). >= 0."""
     backpressure_warn_s: float = 5.0
     """Warn each time training has waited this many seconds more, in all, for a full writer queue (> 0)."""
+    persistence: str = "thread"
+    """Where records are encoded and written: ``thread`` (a background thread of the training process) or
+    ``process`` (a spawned persistence process fed through shared memory, which outlives the trainer: a crash of
+    the training process loses no step whose ``opt.step()`` returned; docs/guide/durability.md)."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
@@ -137,6 +142,7 @@ class LogConfig:
         _check_choice("log.capture", self.capture, CAPTURES)
         _check_min_int("log.capture_bucket_bytes", self.capture_bucket_bytes, 0)
         _check_number("log.backpressure_warn_s", self.backpressure_warn_s, lambda v: v > 0, "a number > 0")
+        _check_choice("log.persistence", self.persistence, PERSISTENCE)
 
 
 @dataclass(frozen=True, kw_only=True)

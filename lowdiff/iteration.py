@@ -154,6 +154,11 @@ class IterationEnd:
     def hold(self, pending: Pending) -> None:
         assert self.pending is None, "the previous iteration was not sealed"
         self.pending = pending
+        self.checkpointer.on_hold(pending.record, keep_if_orphaned=self.end_free())
+
+    def end_free(self) -> bool:
+        """Nothing is tracked at the end of an iteration: a record is complete when opt.step() returns."""
+        return not any(kind == AT_END for _, kind in self.tracker.objects.values())
 
     def seal(self, strict: bool = True) -> int | None:
         """The held iteration is over: take the tracked state and the hyperparameters now, complete the record
@@ -180,13 +185,18 @@ class IterationEnd:
         return rec.step
 
     def drop(self) -> int | None:
-        """The held iteration was interrupted: its record is not logged (a resume redoes the iteration)."""
+        """The held iteration was interrupted: its record is not logged (a resume redoes the iteration), unless
+        nothing is tracked at the end of an iteration: then its opt.step() returned with the iteration's whole
+        state, and it is logged (a crash loses no step whose opt.step() returned)."""
+        if self.pending is not None and self.end_free():
+            return self.seal(strict=False)
         p, self.pending = self.pending, None
         if p is None:
             return None
         p.record.release()
         if p.snapshot is not None:
             p.snapshot.release()
+        self.checkpointer.on_drop(p.record.item.step)
         log.info("lowdiff: iteration %d was interrupted before it ended; it is not logged (a resume redoes it)",
                  p.record.item.step)
         return p.record.item.step

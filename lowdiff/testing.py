@@ -46,3 +46,52 @@ def intercept_writes(pwritev: Callable[[int, list[Any], int], int] | None = None
 def fd_path(fd: int) -> str:
     """The path of an open file descriptor (Linux), for interceptors that fail only some files."""
     return os.readlink(f"/proc/self/fd/{fd}")
+
+
+PERSISTENCE_ENV = "LOWDIFF_TESTING_PERSISTENCE"
+"""The environment variable through which :func:`intercept_persistence_process` reaches the processes it starts."""
+
+
+@contextmanager
+def intercept_persistence_process(commit_delay_s: float = 0.0, fail_errno: int | None = None) -> Iterator[None]:
+    """The same seam for ``log.persistence: process``, which cannot run the caller's functions: persistence
+    processes started while the block is open sleep ``commit_delay_s`` before every commit (a slow disk) and, with
+    ``fail_errno``, fail every gathered write with that ``OSError`` (a full disk: ``errno.ENOSPC``).
+
+    >>> with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):   # doctest: +SKIP
+    ...     opt = lowdiff.wrap(inner, model, {"run_dir": d, "log": {"persistence": "process"}})
+    """
+    import json
+
+    old = os.environ.get(PERSISTENCE_ENV)
+    os.environ[PERSISTENCE_ENV] = json.dumps({"commit_delay_s": commit_delay_s, "fail_errno": fail_errno})
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(PERSISTENCE_ENV, None)
+        else:
+            os.environ[PERSISTENCE_ENV] = old
+
+
+def apply_persistence_env() -> None:
+    """Called by the persistence process at start: installs what :func:`intercept_persistence_process` asked for."""
+    import json
+    import time
+
+    spec = os.environ.get(PERSISTENCE_ENV)
+    if not spec:
+        return
+    cfg = json.loads(spec)
+    delay, err = float(cfg.get("commit_delay_s") or 0.0), cfg.get("fail_errno")
+
+    def fail(fd: int, buffers: list[Any], offset: int) -> int:
+        raise OSError(err, os.strerror(err))
+
+    cm = intercept_writes(pwritev=fail if err is not None else None,
+                          before_commit=(lambda path: time.sleep(delay)) if delay > 0 else None)
+    cm.__enter__()
+    _kept.append(cm)  # a collected generator would run its exit and restore the real functions
+
+
+_kept: list[Any] = []

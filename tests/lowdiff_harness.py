@@ -193,6 +193,7 @@ class Scenario:
     capture_bucket_bytes: int = 0  # the test models are a few KB: every gradient a bucket of its own
     accumulate: int = 1
     """Micro-batches per step (gradient accumulation)."""
+    persistence: str = "thread"
 
     def config(self, run_dir: str | Path) -> dict[str, Any]:
         return {
@@ -200,7 +201,7 @@ class Scenario:
             "compressor": {"name": self.compressor, "ratio": self.ratio, "rank": self.rank},
             "snapshot": {"every_steps": self.every_steps},
             "log": {"batch_steps": self.batch_steps, "codec": self.codec, "capture": self.capture,
-                    "capture_bucket_bytes": self.capture_bucket_bytes},
+                    "capture_bucket_bytes": self.capture_bucket_bytes, "persistence": self.persistence},
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ def main() -> None:
                     help="seed once before wrap and let resume() restore each rank's RNG (exact continuation)")
     ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
     ap.add_argument("--probe", action="store_true", help="with --auto: a busy writer, so the tuner probes")
+    ap.add_argument("--persistence", default="thread", help="log.persistence: thread or process")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -60,7 +61,7 @@ def main() -> None:
     cfg = {
         "run_dir": args.run_dir,
         "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
-        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
+        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3, "persistence": args.persistence},
     }
     if args.auto:  # a high failure rate and a loose bound: the tuner picks small, frequently re-tuned values
         cfg.update({"snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},

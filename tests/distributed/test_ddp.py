@@ -73,6 +73,14 @@ def test_exact_recovery(tmp_path: Path, compressor: str) -> None:
         assert_matches(lowdiff.recover(tmp_path / "run", step=step), model_sd, optim_sd)
 
 
+def test_process_persistence_one_process_per_rank_exact(tmp_path: Path) -> None:
+    torchrun(2, str(tmp_path / "run"), "topk", "8", str(tmp_path / "ref.pt"), "--persistence", "process")
+    refs = torch.load(tmp_path / "ref.pt", weights_only=False)
+    for step, model_sd, optim_sd in refs:
+        assert_matches(lowdiff.recover(tmp_path / "run", step=step), model_sd, optim_sd)
+    assert any(".shard-00001-of-00002" in p.name for p in (tmp_path / "run" / "log").iterdir())
+
+
 def test_resume_on_another_world_size(tmp_path: Path, topk_run: tuple[Path, list]) -> None:
     src, refs = topk_run
     run = tmp_path / "run"

@@ -1,0 +1,193 @@
+"""Fast, Python-bound CPU steps: lowdiff's cost where the training thread has no slack (issue 17).
+
+A 48-block MLP (Linear 128 + LayerNorm + GELU, batch 16), AdamW, one torch thread: 20-80 ms steps spent mostly in
+Python and small kernels. For each compressor (topk, powersgd, none), three twins train the same-initialized model:
+``off`` (lowdiff with ``enabled: false``: the same compression, nothing written), ``thread`` and ``process``
+(``log.persistence``). Rounds interleave windows of every mode; each window's step time and training-thread CPU
+time (``time.thread_time()``) are divided by the ``off`` twin's of the same round, and the median over rounds is
+reported. A window ends with ``opt.flush()`` (untimed, reported apart), so no writer works during another mode's
+window.
+
+    python bench/faststep.py                      # ~5 min on 2 cores; bench/results/faststep.json, docs page
+    python bench/faststep.py --smoke --out-dir /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lowdiff
+
+REPO = Path(__file__).resolve().parents[1]
+COMPRESSORS = ("topk", "powersgd", "none")
+PERSISTENCE = ("thread", "process")
+
+
+def make_model(blocks: int, width: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(blocks):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+class Twin:
+    def __init__(self, comp: str, persistence: str | None, args: argparse.Namespace, work: Path) -> None:
+        self.comp, self.persistence = comp, persistence
+        self.name = f"{comp}-{persistence or 'off'}"
+        self.model = make_model(args.blocks, args.width, seed=0)
+        inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.opt = lowdiff.wrap(inner, self.model, {
+            "run_dir": str(work / self.name), "enabled": persistence is not None,
+            "compressor": {"name": comp, "ratio": 0.01, "rank": 4},
+            "snapshot": {"every_steps": args.every_steps},
+            "log": {"batch_steps": args.batch_steps, "persistence": persistence or "thread"}})
+        gen = torch.Generator().manual_seed(1)
+        self.batches = [torch.randn(args.batch, args.width, generator=gen) for _ in range(16)]
+        self.k = 0
+        self.windows: list[dict[str, float]] = []
+
+    def step(self) -> None:
+        x = self.batches[self.k % len(self.batches)]
+        self.k += 1
+        self.model(x).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def window(self, steps: int) -> dict[str, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(steps):
+            self.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        f0 = time.perf_counter()
+        self.opt.flush()
+        w = {"step_s": wall / steps, "cpu_s": cpu / steps, "flush_s": time.perf_counter() - f0}
+        self.windows.append(w)
+        return w
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="lowdiff-faststep-"))
+    twins = [Twin(c, p, args, work) for c in args.compressors for p in (None, *args.persistence)]
+    for t in twins:  # warm-up: the persistence process starts, the first snapshot allocates its buffers
+        for _ in range(args.warmup):
+            t.step()
+        t.opt.flush()
+    n_params = sum(p.numel() for p in twins[0].model.parameters())
+    for r in range(args.rounds):
+        order = twins if r % 2 == 0 else twins[::-1]
+        for t in order:
+            t.window(args.window)
+    rows = []
+    for t in twins:
+        if t.persistence is None:
+            continue
+        off = next(o for o in twins if o.comp == t.comp and o.persistence is None)
+        ratio = [w["step_s"] / o["step_s"] for w, o in zip(t.windows, off.windows)]
+        added_cpu = [w["cpu_s"] - o["cpu_s"] for w, o in zip(t.windows, off.windows)]
+        st = t.opt.stats
+        rows.append({"mode": t.name, "compressor": t.comp, "persistence": t.persistence,
+                     "step_ms": 1e3 * statistics.median(w["step_s"] for w in t.windows),
+                     "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off.windows),
+                     "overhead": statistics.median(ratio) - 1.0,
+                     "overhead_min": min(ratio) - 1.0, "overhead_max": max(ratio) - 1.0,
+                     "added_cpu_ms": 1e3 * statistics.median(added_cpu),
+                     "cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in t.windows),
+                     "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
+                     "flush_ms": 1e3 * statistics.median(w["flush_s"] for w in t.windows),
+                     "blocked_s": st.blocked_s if st else 0.0, "write_error": st.write_error if st else None})
+    for t in twins:
+        t.opt.close()
+    return {"rows": rows, "params": n_params, "rounds": args.rounds, "window": args.window, "warmup": args.warmup,
+            "batch_steps": args.batch_steps, "every_steps": args.every_steps, "blocks": args.blocks,
+            "width": args.width, "batch": args.batch, "torch_threads": 1, "torch": torch.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "load_before": load0, "load_after": os.getloadavg(), "command": " ".join(sys.argv)}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        "# Fast Python-bound steps: lowdiff over `enabled: false`, thread against process persistence",
+        "",
+        f"Generated by `{res['command']}` (bench/faststep.py). Model: {res['blocks']}-block MLP (Linear "
+        f"{res['width']} + LayerNorm + GELU), {res['params'] / 1e6:.2f}M parameters, batch {res['batch']}, AdamW, "
+        f"{res['torch_threads']} torch thread; snapshot every {res['every_steps']} steps, batch_steps "
+        f"{res['batch_steps']}; Top-k ratio 0.01, PowerSGD rank 4. {res['rounds']} rounds of interleaved "
+        f"{res['window']}-step windows after {res['warmup']} warm-up steps per twin; each window ends with an "
+        "untimed `opt.flush()`.",
+        "",
+        f"Machine: {res['cpus']} CPUs ({res['machine']}), shared with other jobs; load average (1, 5, 15 min) "
+        f"{', '.join(f'{x:.2f}' for x in res['load_before'])} before and "
+        f"{', '.join(f'{x:.2f}' for x in res['load_after'])} after. torch {res['torch']}, Python {res['python']}.",
+        "",
+        "Overhead: median over rounds of (window step time / the `off` twin's in the same round) - 1, with the "
+        "range over rounds. Added CPU: training-thread `time.thread_time()` per step minus the `off` twin's "
+        "(median over rounds).",
+        "",
+        "| mode | step ms | off step ms | overhead | range | training-thread CPU ms/step | added CPU ms/step | "
+        "flush ms | blocked s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['off_step_ms']:.1f} | {100 * r['overhead']:+.1f} % | "
+                     f"{100 * r['overhead_min']:+.1f} .. {100 * r['overhead_max']:+.1f} % | {r['cpu_ms']:.1f} | "
+                     f"{r['added_cpu_ms']:+.2f} | {r['flush_ms']:.1f} | {r['blocked_s']:.2f} |")
+    lines += [
+        "",
+        "Reading it: the bars of issue 17 (<= 3 % for Top-k and PowerSGD, <= 5 % for none) are not met by either "
+        "mode here, and the training-thread CPU that lowdiff adds is about the same in both: most of it is the "
+        "staging path both modes share (the stager's per-tensor loops over 192 parameters' payloads, RNG capture, "
+        "the record's bookkeeping), not the persistence work the process takes off the training thread. On this "
+        "shared 2-core machine the writer (thread or process) also competes with training for a core, so wall-clock "
+        "overhead is about twice the added CPU. Where the time goes and what would cut it: "
+        "[design.md](../reference/design.md), section 7, *The persistence process*.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds: checks the script runs")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--blocks", type=int, default=48)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch-steps", type=int, default=16)
+    ap.add_argument("--every-steps", type=int, default=50)
+    ap.add_argument("--compressors", nargs="+", default=list(COMPRESSORS), choices=COMPRESSORS)
+    ap.add_argument("--persistence", nargs="+", default=list(PERSISTENCE), choices=PERSISTENCE)
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "measurements" / "faststep.md")
+    ap.add_argument("--render", type=Path, help="only rewrite the page from this results JSON")
+    args = ap.parse_args()
+    if args.render:
+        args.docs.write_text(markdown(json.loads(args.render.read_text())))
+        return
+    if args.smoke:
+        args.rounds, args.window, args.warmup, args.blocks = 2, 4, 6, 4
+        args.batch_steps, args.every_steps = 3, 5
+        args.docs = args.out_dir / "faststep.md"
+    res = run(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "faststep.json").write_text(json.dumps(res, indent=1))
+    args.docs.write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()

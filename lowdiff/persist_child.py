@@ -1,0 +1,271 @@
+"""The persistence process (``log.persistence: process``): ``python -m lowdiff.persist_child FD``.
+
+Started by :class:`lowdiff.persist_process.ProcessWriter` with one end of a Unix socket. It maps the shared rings,
+turns each message into a :class:`~lowdiff.storage.segment.StepRecord` or snapshot whose tensors are views of the
+ring, and feeds them to a :class:`~lowdiff.writer.BackgroundWriter` of its own, which batches, encodes, writes,
+fsyncs, applies retention and keeps the shadow replica, exactly as the thread does in the training process.
+Released records free their ring slots (a message back); every commit and failure is reported back.
+
+When the training process dies (the socket reaches end of file, or this process is re-parented), it commits every
+record it received, the one whose iteration had not ended included when nothing tracked changes at the end of an
+iteration, and exits. It takes the run directory's writer lock for that, so a trainer restarted meanwhile waits for
+it or is refused, never races it. SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole
+process group reaches the trainer, and this process finishes the trainer's work after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+from lowdiff.errors import RunLockedError
+from lowdiff.ring import Arena, unpack, unpack_record
+from lowdiff.staging import Staged
+from lowdiff.storage.format import Shard
+from lowdiff.storage.lock import WriterLock
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir
+from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.snapshot import SnapshotState
+from lowdiff.testing import apply_persistence_env
+from lowdiff.writer import BackgroundWriter
+
+log = logging.getLogger("lowdiff.persist")
+
+ORPHAN_LOCK_WAIT_S = 10.0
+"""How long an orphaned persistence process tries to take the writer lock before giving up its records."""
+
+
+class _Reporter:
+    """Messages back to the training process, from this process's main and writer threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.gone = False
+
+    def send(self, msg: Any) -> None:
+        if self.gone:
+            return
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                self.gone = True  # the trainer is gone: keep committing, stop reporting
+
+    def free(self, kind: str, ring_id: int, aid: int) -> None:
+        self.send(("free", [(kind, ring_id, aid)]))
+
+
+class _ChildWriter(BackgroundWriter):
+    """The thread writer, reporting every commit and failure to the training process."""
+
+    reporter: _Reporter
+
+    def _status(self) -> None:
+        self.reporter.send(("status", self.durable_step, dataclasses.astuple(self.stats), self._broken,
+                            self.shadow_ok))
+
+    def _fail(self, e: BaseException) -> None:
+        super()._fail(e)
+        err = self._error
+        self.reporter.send(("error", err.args if err is not None else (None, repr(e))))
+
+    def _write_batch(self) -> None:
+        had = bool(self._batch)
+        super()._write_batch()
+        if had:
+            self._status()
+
+    def _write_snapshot(self, staged: Staged[SnapshotState]) -> None:
+        super()._write_snapshot(staged)
+        self._status()
+
+
+def main(fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(socket.socket(fileno=fd).detach())
+    start = pickle.loads(conn.recv_bytes())
+    logging.basicConfig(level=start["log_level"],
+                        format="%(asctime)s %(levelname)s %(name)s[persist %(process)d] %(message)s")
+    apply_persistence_env()  # lowdiff.testing's fault injection, when a test asked for it
+    run_dir = RunDir(start["path"], Shard(*start["shard"]), compressor_params=start["compressor_params"])
+    run_dir.run_id = start["run_id"]
+    w = dict(start["writer"])
+    if start["shadow"] is not None:
+        # The replica's first optimizer step imports torch._dynamo (2 s here): before "ready", so that the wait
+        # counts as start-up, not as a slow disk.
+        import torch._dynamo  # noqa: F401
+    reporter = _Reporter(conn)
+    _ChildWriter.reporter = reporter
+    writer = _ChildWriter(run_dir, batch_steps=w["batch_steps"], codec=w["codec"], compressor=w["compressor"],
+                          queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
+                          durable_step=w["durable_step"], shadow=start["shadow"])
+    writer.reporter = reporter
+    session = _Session(conn, writer, reporter)
+    reporter.send(("ready",))
+    code = 0
+    try:
+        if not session.serve():
+            session.orphaned(run_dir)
+    except BaseException:
+        # Never leave with the writer thread in the middle of a write: a daemon thread that stops at interpreter
+        # exit while holding h5py's lock would hang the exit, and its file would stay uncommitted.
+        log.exception("lowdiff: the persistence process of %s failed; committing what it holds", run_dir.path)
+        code = 1
+        try:
+            writer.close()
+        except BaseException:
+            log.exception("lowdiff: closing the writer failed")
+    finally:
+        logging.shutdown()
+    log.info("lowdiff: persistence process exits (%d)", code)
+    os._exit(code)  # the writer thread has finished: skip interpreter teardown (h5py, torch) altogether
+
+
+class _Session:
+    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter) -> None:
+        self.conn = conn
+        self.writer = writer
+        self.reporter = reporter
+        self.rings: dict[str, tuple[int, Arena]] = {}
+        self.pending: tuple[Staged[StepRecord], bool] | None = None
+        self.layouts: dict[int, Any] = {}
+
+    def serve(self) -> bool:
+        """Handle messages until ``close`` (True) or until the training process is gone (False)."""
+        parent = os.getppid()
+        while True:
+            try:
+                if not self.conn.poll(1.0):
+                    if os.getppid() != parent:
+                        return False
+                    continue
+                msg = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError, pickle.UnpicklingError):
+                return False
+            try:
+                if self.handle(msg):
+                    return True
+            except (EOFError, ConnectionError):  # the trainer died in the middle of handing a descriptor over
+                return False
+
+    def handle(self, msg: Any) -> bool:
+        kind = msg[0]
+        writer = self.writer
+        if kind == "multi":
+            return any([self.handle(m) for m in msg[1]])
+        if kind == "rec":
+            self._record(msg)
+        elif kind == "seal":
+            _, step, data, end_groups = msg
+            staged, _ = self._take_pending(step)
+            staged.item.data = data
+            staged.item.end_groups = end_groups
+            writer.submit_record(staged)
+        elif kind == "drop":
+            staged, _ = self._take_pending(msg[1])
+            staged.release()
+        elif kind == "snap":
+            _, step, regions, places, skel, groups, comp_name, extra = msg
+            ring = self.rings["s"][1]
+            t = unpack(skel, regions, places, ring.buf)
+            state = SnapshotState(step=step, param_groups=groups, compressor_name=comp_name, extra=extra, **t)
+            writer.submit_snapshot(Staged(state, None, lambda: self.reporter.free("s", 0, 0)))
+        elif kind == "shadow":
+            writer.submit_shadow_snapshot(msg[1])
+        elif kind == "batch":
+            writer.set_batch_steps(msg[1])
+        elif kind == "flush":
+            writer.flush()
+            self.reporter.send(("flushed", msg[1]))
+        elif kind == "arena":
+            _, ring_kind, ring_id, nbytes = msg
+            fd = recv_handle(self.conn)
+            old = self.rings.get(ring_kind)
+            self.rings[ring_kind] = (ring_id, Arena(nbytes, fd))
+            if old is not None:
+                old[1].close()
+        elif kind == "close":
+            writer.close()
+            self.reporter.send(("closed",))
+            return True
+        return False
+
+    def _record(self, msg: Any) -> None:
+        _, step, ring_id, aid, offset, nbytes, layout_id, new_layout, groups, data, skipped, keep = msg
+        if new_layout is not None:
+            self.layouts[layout_id] = new_layout
+        if self.pending is not None:  # cannot happen with a well-behaved trainer: never leave a slot behind
+            log.error("lowdiff: step %d arrived before step %d ended; the latter is dropped", step,
+                      self.pending[0].item.step)
+            self.pending[0].release()
+        rid, ring = self.rings["r"]
+        assert rid == ring_id, (rid, ring_id)
+        grads, buffers, rng = unpack_record(self.layouts[layout_id], ring.buf[offset:offset + nbytes])
+        rec = StepRecord(step=step, groups=groups, grads=grads, buffers=buffers, rng=rng, data=data, skipped=skipped)
+        self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), keep)
+
+    def _take_pending(self, step: int) -> tuple[Staged[StepRecord], bool]:
+        if self.pending is None or self.pending[0].item.step != step:
+            raise RuntimeError(f"lowdiff persistence: step {step} was never handed over")
+        p, self.pending = self.pending, None
+        return p
+
+    def orphaned(self, run_dir: RunDir) -> None:
+        """The training process is gone: commit what it handed over, under the writer lock, and return."""
+        writer = self.writer
+        log.info("lowdiff: the trainer of %s is gone; committing what it handed over", run_dir.path)
+        lock: WriterLock | _NoLock | None = None
+        if run_dir.shard.index != 0:  # under DDP rank 0 holds the job's lock; its persistence process takes it
+            lock = _NoLock()
+        deadline = time.monotonic() + ORPHAN_LOCK_WAIT_S
+        while lock is None:
+            try:
+                lock = WriterLock(run_dir.path)
+            except RunLockedError:
+                if time.monotonic() > deadline:
+                    log.error("lowdiff: the trainer of %s died and another process holds its lock; %d step(s) "
+                              "handed over after step %d are not committed", run_dir.path,
+                              writer.batch_steps, writer.durable_step)
+                    os._exit(3)
+                time.sleep(0.01)
+        try:
+            if self.pending is not None:
+                staged, keep = self.pending
+                self.pending = None
+                if keep:
+                    # Nothing tracked changes after opt.step(): the iteration's end state is the step's own.
+                    staged.item.end_groups = staged.item.groups
+                    writer.submit_record(staged)
+                else:
+                    log.warning("lowdiff: the trainer died during iteration %d, after its opt.step() but before "
+                                "the iteration ended (objects tracked at='end' unknown); not logged, a resume "
+                                "redoes it", staged.item.step)
+                    staged.release()
+            durable = writer.flush()
+            writer.close()
+            log.warning("lowdiff: the trainer of %s is gone; the persistence process committed up to step %d",
+                        run_dir.path, durable)
+        finally:
+            lock.release()
+
+
+class _NoLock:
+    def release(self) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,351 @@
+"""``log.persistence: process``: the training side of the persistence process (lowdiff/persist_child.py).
+
+:class:`ProcessWriter` has :class:`lowdiff.writer.BackgroundWriter`'s interface, so the checkpointer drives either.
+Per step the training thread copies the record's tensors into a slot of a shared ring (:mod:`lowdiff.ring`, one
+concatenating copy per dtype) and sends a small message over a Unix socket; encoding, checksums, HDF5 writes,
+fsyncs, retention and the shadow replica run in the other process. A record is handed over when ``opt.step()``
+returns (:meth:`submit_early`), before its iteration ends; the end of the iteration follows as a seal message
+(:meth:`submit_record`). So when the training process dies, the persistence process holds every step whose
+``opt.step()`` returned, commits them and exits (docs/guide/durability.md).
+
+Back-pressure: at most ``(queue_depth + 1) x batch_steps + 2`` records are in flight (sent, not yet committed), and
+no more than the ring holds; beyond that the step waits for the persistence process (``stats.blocked_s``). Failures
+in the persistence process come back as messages and are raised by the checkpointer as today.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from pathlib import Path
+from typing import Any
+
+import lowdiff
+from lowdiff.errors import CheckpointWriteError
+from lowdiff.ring import Arena, RecordPacker, RingAllocator, layout, pack, skeleton
+from lowdiff.staging import Staged
+from lowdiff.storage.run_dir import RetentionPolicy, RunDir
+from lowdiff.storage.segment import StepRecord
+from lowdiff.storage.snapshot import SnapshotState
+from lowdiff.writer import WriterStats
+
+log = logging.getLogger(__name__)
+
+RING_MAX_BYTES = 1 << 30
+"""The record ring grows past this only to hold one segment's records: fewer segments in flight instead."""
+RING_MIN_BYTES = 4 << 20
+
+
+def _send_bytes(conn: Connection, msg: Any) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class ProcessWriter:
+    """The same call order as :class:`lowdiff.writer.BackgroundWriter`, plus :meth:`submit_early` when
+    ``opt.step()`` returns and :meth:`drop` for an iteration that an exception interrupted."""
+
+    def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
+                 retention: RetentionPolicy, durable_step: int, shadow: Any = None) -> None:
+        self.run_dir = run_dir
+        self.batch_steps = batch_steps
+        self.stats = WriterStats()
+        self.shadow_ok = shadow is not None
+        self._queue_depth = queue_depth
+        self._durable_step = durable_step
+        self._error: BaseException | None = None
+        self._reported = False
+        self._broken = False
+        self._ring: Arena | None = None
+        self._alloc = RingAllocator(0)
+        self._ring_id = 0
+        self._packer = RecordPacker()
+        self._records = 0  # records sent and not yet released by the persistence process
+        self._snap: Arena | None = None
+        self._snap_busy = False
+        self._flushed = -1
+        self._token = 0
+        self._closed = False
+        self._dead = False
+        self._ready = False
+        self._outbox: Any = None  # a seal waiting for the next message
+        self._kept_if_orphaned = False
+        self.start_wait_s = 0.0
+        """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = str(Path(lowdiff.__file__).resolve().parents[1])  # the child imports this very lowdiff
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        t0 = time.perf_counter()
+        self._proc = subprocess.Popen([sys.executable, "-m", "lowdiff.persist_child", str(theirs.fileno())],
+                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        _send_bytes(self._conn, {
+            "path": str(run_dir.path), "shard": (run_dir.shard.index, run_dir.shard.count),
+            "compressor_params": run_dir.compressor_params, "run_id": run_dir.run_id,
+            "writer": {"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
+                       "queue_depth": queue_depth, "retention": retention.keep_snapshots,
+                       "durable_step": durable_step},
+            "shadow": shadow, "log_level": logging.getLogger("lowdiff").getEffectiveLevel()})
+        self.start_s = time.perf_counter() - t0
+        log.info("lowdiff: persistence process pid %d started for %s", self._proc.pid, run_dir.path)
+
+    @property
+    def pid(self) -> int:
+        """The persistence process's id."""
+        return self._proc.pid
+
+    # -- what the checkpointer reads ------------------------------------------------------------------------
+
+    @property
+    def durable_step(self) -> int:
+        self._drain()
+        return self._durable_step
+
+    @property
+    def capacity(self) -> int:
+        return self._max_records()
+
+    @property
+    def queued(self) -> int:
+        return self._records
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error if self._broken else None
+
+    def take_error(self) -> BaseException | None:
+        self._drain()
+        if self._error is None or self._reported:
+            return None
+        self._reported = True
+        return self._error
+
+    def on_thread(self) -> bool:
+        return False
+
+    def _max_records(self) -> int:
+        return (self._queue_depth + 1) * self.batch_steps + 2
+
+    # -- hand-over -------------------------------------------------------------------------------------------
+
+    def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
+        """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended).
+        ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
+        tracked changes at the end of an iteration)."""
+        rec = record.wait()
+        packer = self._packer
+        tensors, new_layout = packer.plan(rec.grads, rec.buffers, rec.rng)
+        nbytes = packer.nbytes
+        got = self._alloc_record(nbytes)
+        if got is None or self._ring is None:  # the persistence process died: take_error() says so
+            record.release()
+            return
+        aid, offset = got
+        packer.pack(tensors, self._ring.buf[offset:offset + nbytes])
+        record.release()
+        self._kept_if_orphaned = keep_if_orphaned
+        self._send(("rec", rec.step, self._ring_id, aid, offset, nbytes, packer.layout_id, new_layout, rec.groups,
+                    rec.data, rec.skipped, keep_if_orphaned))
+
+    def submit_record(self, record: Staged[StepRecord]) -> None:
+        """The iteration of a record handed over early has ended: its final tracked state and groups."""
+        rec = record.item
+        record.release()
+        msg = ("seal", rec.step, rec.data, rec.end_groups)
+        if self._kept_if_orphaned:
+            # The persistence process would commit this record as it is if the trainer died now: the seal rides
+            # with the next message (one socket write per step instead of two).
+            self._outbox = msg
+        else:
+            self._send(msg)
+
+    def drop(self, step: int) -> None:
+        self._send(("drop", step))
+
+    def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
+        snap = state.wait()
+        tensors: list[Any] = []
+        skel = skeleton({"params": snap.params, "buffers": snap.buffers, "optimizer_state": snap.optimizer_state,
+                         "compressor_state": snap.compressor_state,
+                         "rank_compressor_state": snap.rank_compressor_state, "rng": snap.rng}, tensors)
+        regions, places, nbytes = layout(tensors)
+        if not self._wait(lambda: not self._snap_busy):  # one snapshot in flight (CheckFreq)
+            state.release()
+            return
+        if self._snap is None or self._snap.nbytes < nbytes:
+            if self._snap is not None:
+                self._snap.close()
+            self._snap = Arena(max(nbytes, 64))
+            self._send_arena("s", 0, self._snap)
+        pack(tensors, regions, self._snap.buf[:nbytes])
+        state.release()
+        self._snap_busy = True
+        self._send(("snap", snap.step, regions, places, skel, snap.param_groups, snap.compressor_name,
+                    snap.extra))
+
+    def submit_shadow_snapshot(self, step: int) -> None:
+        self._send(("shadow", step))
+
+    def set_batch_steps(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"batch_steps must be >= 1, got {steps}")
+        self.batch_steps = steps
+        self._send(("batch", steps))
+
+    def flush(self) -> int:
+        """Wait until everything handed over is committed (or failed); returns the durable step."""
+        if self._dead or self._closed:
+            self._drain()
+            return self._durable_step
+        self._token += 1
+        token = self._token
+        self._send(("flush", token))
+        self._wait(lambda: self._flushed >= token)
+        return self._durable_step
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if not self._dead:
+                self.flush()
+                self._send(("close",))
+                self._wait(lambda: self._dead)
+        finally:
+            self._closed = True
+            self._conn.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log.error("lowdiff: persistence process pid %d did not exit; killing it", self._proc.pid)
+                self._proc.kill()
+                self._proc.wait()
+            for arena in (self._ring, self._snap):
+                if arena is not None:
+                    arena.close()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _alloc_record(self, nbytes: int) -> tuple[int, int] | None:
+        per = max(nbytes, 64) + 64
+        # A ring that cannot hold a whole segment's records would wait forever for the persistence process, which
+        # frees them only once the segment is written: replace it (a larger record, a larger batch_steps).
+        if self._ring is None or (self.batch_steps + 2) * per > self._alloc.capacity:
+            if self._ring is not None and self._records:
+                self.flush()  # the open segment is committed early, so every slot comes back
+                if not self._wait(lambda: self._records == 0):
+                    return None
+            if self._ring is not None:
+                self._ring.close()
+            cap = max(RING_MIN_BYTES, (self.batch_steps + 2) * per,
+                      min(self._max_records() * per, max(RING_MAX_BYTES, 4 * per)))
+            self._ring = Arena(cap)
+            self._alloc = RingAllocator(cap)
+            self._ring_id += 1
+            self._send_arena("r", self._ring_id, self._ring)
+        got = self._alloc.alloc(nbytes) if self._records < self._max_records() else None
+        if got is None:
+            t0, ready = time.perf_counter(), self._ready
+            self._push()  # the process may be waiting for that seal to complete the segment that frees slots
+            while got is None:
+                if self._dead:
+                    return None
+                self._recv(block=True)
+                if self._records < self._max_records():
+                    got = self._alloc.alloc(nbytes)
+            if ready:
+                self.stats.blocked_s += time.perf_counter() - t0
+            else:  # the process was still starting (importing torch), not a slow disk
+                self.start_wait_s += time.perf_counter() - t0
+                log.info("lowdiff: training waited %.1f s for the persistence process to start", self.start_wait_s)
+        self._records += 1
+        return got
+
+    def _send_arena(self, kind: str, ring_id: int, arena: Arena) -> None:
+        self._send(("arena", kind, ring_id, arena.nbytes))
+        send_handle(self._conn, arena.fd, self._proc.pid)
+
+    def _send(self, msg: Any) -> None:
+        """Send ``msg``; a dead persistence process is recorded (raised by the next ``take_error``), not raised."""
+        self._drain()
+        if self._dead:
+            self._died()
+            return
+        if self._outbox is not None:
+            msg, self._outbox = ("multi", [self._outbox, msg]), None
+        try:
+            _send_bytes(self._conn, msg)
+        except OSError:
+            self._dead = True
+            self._died()
+
+    def _died(self) -> CheckpointWriteError:
+        if self._closed:
+            return CheckpointWriteError(None, f"the persistence process of {self.run_dir.path} is closed")
+        code = self._proc.poll()
+        err = CheckpointWriteError(None, f"the lowdiff persistence process (pid {self._proc.pid}) of "
+                                         f"{self.run_dir.path} exited (status {code}); steps after "
+                                         f"{self._durable_step} are not on disk. Resume from the run directory")
+        if not self._broken or self._error is None:
+            self._error, self._reported, self._broken = err, False, True
+        return self._error  # type: ignore[return-value]
+
+    def _drain(self) -> None:
+        while not self._dead and not self._closed and self._conn.poll():
+            self._recv(block=False)
+
+    def _push(self) -> None:
+        if self._outbox is not None:
+            msg, self._outbox = self._outbox, None
+            self._send(msg)
+
+    def _wait(self, done: Any) -> bool:
+        """Handle messages until ``done()``; False when the persistence process died first (recorded)."""
+        self._push()
+        while not done():
+            if self._dead:
+                self._died()
+                return False
+            self._recv(block=True)
+        return True
+
+    def _recv(self, block: bool) -> None:
+        try:
+            msg = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._dead = True
+            self._died()
+            return
+        kind = msg[0]
+        if kind == "free":
+            for ring_kind, ring_id, aid in msg[1]:
+                if ring_kind == "s":
+                    self._snap_busy = False
+                elif ring_id == self._ring_id:
+                    self._alloc.free(aid)
+                    self._records -= 1
+        elif kind == "status":
+            _, durable, fields, broken, shadow_ok = msg
+            self._durable_step = max(self._durable_step, durable)
+            blocked = self.stats.blocked_s
+            self.stats = WriterStats(*fields)
+            self.stats.blocked_s = blocked
+            self._broken = broken
+            self.shadow_ok = shadow_ok
+        elif kind == "error":
+            self._error, self._reported, self._broken = CheckpointWriteError(*msg[1]), False, True
+        elif kind == "flushed":
+            self._flushed = msg[1]
+        elif kind == "ready":
+            self._ready = True
+        elif kind == "closed":
+            self._dead = True

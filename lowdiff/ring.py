@@ -1,0 +1,245 @@
+"""Shared host memory between the training process and its persistence process (``log.persistence: process``).
+
+An :class:`Arena` is an anonymous memory file (``memfd_create``) mapped in both processes; its descriptor crosses the
+control socket once (SCM_RIGHTS). The training side carves records out of it with a :class:`RingAllocator` (first in,
+first out, frees may come out of order) and fills them with one concatenating copy per dtype (:func:`pack`); the
+persistence side sees the same bytes as tensor views (:func:`unpack`). Nothing here pickles a tensor: a record
+crosses as a small message (a skeleton of names and shapes) plus bytes already in the arena.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+ALIGN = 64
+"""Every allocation and every dtype region starts on a multiple of this many bytes (views of any dtype are aligned)."""
+
+
+class Arena:
+    """``nbytes`` of shared memory as a flat uint8 tensor (``buf``); ``fd`` is what the other process maps."""
+
+    def __init__(self, nbytes: int, fd: int | None = None) -> None:
+        self.nbytes = nbytes
+        if fd is None:
+            fd = os.memfd_create("lowdiff-ring", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+        self.fd = fd
+        self._map = mmap.mmap(fd, nbytes)
+        self.buf = torch.frombuffer(self._map, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RingAllocator:
+    """First-in first-out byte ranges of a ring of ``capacity`` bytes. ``alloc`` returns (id, offset) or None when
+    the range does not fit now; ``free(id)`` may come in any order, space is reused once every older range is free."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._head = 0  # monotonic byte counters; offset = counter % capacity
+        self._tail = 0
+        self._live: OrderedDict[int, list[int]] = OrderedDict()  # id -> [start, end, freed]
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def alloc(self, nbytes: int) -> tuple[int, int] | None:
+        n = max(_aligned(nbytes), ALIGN)
+        if n > self.capacity:
+            return None
+        start = self._head
+        pos = start % self.capacity
+        if pos + n > self.capacity:  # never split a range: skip to the start of the ring
+            start += self.capacity - pos
+        if start + n - self._tail > self.capacity:
+            return None
+        self._head = start + n
+        aid = self._next
+        self._next += 1
+        self._live[aid] = [start, start + n, 0]
+        return aid, start % self.capacity
+
+    def free(self, aid: int) -> None:
+        entry = self._live.get(aid)
+        if entry is None:
+            return
+        entry[2] = 1
+        while self._live:
+            first = next(iter(self._live.values()))
+            if not first[2]:
+                break
+            self._live.popitem(last=False)
+            self._tail = first[1]
+        if not self._live:
+            self._tail = self._head
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Ref:
+    """A tensor's place in a packed message: index into the layout."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Ref, (self.i,))
+
+
+def skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` (dicts, lists, tuples) with every tensor replaced by a :class:`Ref`; the tensors appended."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return Ref(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: skeleton(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [skeleton(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(skeleton(v, tensors) for v in obj)
+    return obj
+
+
+Layout = tuple[list[tuple[torch.dtype, int, int]], list[tuple[int, tuple[int, ...]]], int]
+
+
+def layout(tensors: list[torch.Tensor]) -> Layout:
+    """Where :func:`pack` puts ``tensors``: regions (dtype, byte offset, numel), each holding the tensors of one
+    dtype concatenated in list order; per tensor (region index, shape); the bytes in all."""
+    index: dict[torch.dtype, int] = {}
+    numels: list[int] = []
+    places = []
+    for t in tensors:
+        r = index.setdefault(t.dtype, len(index))
+        if r == len(numels):
+            numels.append(0)
+        numels[r] += t.numel()
+        places.append((r, tuple(t.shape)))
+    regions, offset = [], 0
+    for dt, r in index.items():
+        regions.append((dt, offset, numels[r]))
+        offset += _aligned(numels[r] * _esize(dt))
+    return regions, places, offset
+
+
+def _esize(dt: torch.dtype) -> int:
+    return dt.itemsize
+
+
+def pack(tensors: list[torch.Tensor], regions: list[tuple[torch.dtype, int, int]], dst: torch.Tensor) -> None:
+    """Copy ``tensors`` into ``dst`` (uint8, the allocation) as :func:`layout` placed them: one copy per dtype."""
+    for dt, offset, numel in regions:
+        parts = [_flat(t) for t in tensors if t.dtype == dt]
+        _copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
+    if len(parts) == 1:
+        region.copy_(parts[0])
+    elif parts:
+        torch.cat(parts, out=region)
+
+
+class RecordPacker:
+    """Packs step records whose tensors keep their names, dtypes and shapes from step to step (Top-k's k, PowerSGD's
+    factors, the gradients themselves) without redoing their layout: the layout gets an id, sent once; later
+    records say only the id. Per step this costs a comparison of the shapes and one ``torch.cat`` per dtype."""
+
+    def __init__(self) -> None:
+        self.layout_id = 0
+        self._keys: list[tuple[str, str, str]] = []
+        self._sig: list[Any] = []
+        self._regions: list[tuple[torch.dtype, int, int]] = []
+        self._members: list[list[int]] = []
+        self._flat = True
+        self.nbytes = 0
+
+    def plan(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
+             rng: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """The record's tensors in packing order, and the new layout to send (None: the previous one holds)."""
+        keys = [("g", n, f) for n, p in grads.items() for f in p]
+        keys += [("b", n, "") for n in buffers] + [("r", n, "") for n in rng]
+        tensors = [t for p in grads.values() for t in p.values()]
+        tensors += [*buffers.values(), *rng.values()]
+        sig = [(t.dtype, t.shape) for t in tensors]
+        if sig == self._sig and keys == self._keys:
+            return tensors, None
+        regions, places, self.nbytes = layout(tensors)
+        self._keys, self._sig, self._regions = keys, sig, regions
+        self._members = [[i for i, (r, _) in enumerate(places) if r == k] for k in range(len(regions))]
+        self._flat = all(t.dim() == 1 for t in tensors)
+        self.layout_id += 1
+        return tensors, (keys, regions, places)
+
+    def pack(self, tensors: list[torch.Tensor], dst: torch.Tensor) -> None:
+        for (dt, offset, numel), members in zip(self._regions, self._members):
+            parts = [tensors[i] for i in members] if self._flat else [_flat(tensors[i]) for i in members]
+            _copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
+
+
+def unpack_record(layout_: Any, src: torch.Tensor) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                             dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(grads, buffers, rng) of a record packed by :class:`RecordPacker` with ``layout_``, as views of ``src``."""
+    keys, regions, places = layout_
+    refs = [Ref(i) for i in range(len(keys))]
+    tensors = unpack(refs, regions, places, src)
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    rng: dict[str, torch.Tensor] = {}
+    for (section, name, field), t in zip(keys, tensors):
+        if section == "g":
+            grads.setdefault(name, {})[field] = t
+        elif section == "b":
+            buffers[name] = t
+        else:
+            rng[name] = t
+    return grads, buffers, rng
+
+
+def unpack(skel: Any, regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]],
+           src: torch.Tensor) -> Any:
+    """The object :func:`skeleton` was given, its tensors now views into ``src`` (the allocation's bytes)."""
+    views = [src[offset:offset + numel * _esize(dt)].view(dt) for dt, offset, numel in regions]
+    used = [0] * len(views)
+    placed: list[torch.Tensor] = []
+    for r, shape in places:
+        numel = 1
+        for d in shape:
+            numel *= d
+        placed.append(views[r][used[r]:used[r] + numel].view(shape))
+        used[r] += numel
+    return _fill(skel, placed)
+
+
+def _fill(obj: Any, placed: list[torch.Tensor]) -> Any:
+    if isinstance(obj, Ref):
+        return placed[obj.i]
+    if isinstance(obj, dict):
+        return {k: _fill(v, placed) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, placed) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_fill(v, placed) for v in obj)
+    return obj

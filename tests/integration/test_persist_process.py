@@ -1,0 +1,231 @@
+"""``log.persistence: process``: exact like the thread, and a crash of the training process (SIGKILL, SIGTERM, an
+exception) loses no step whose ``opt.step()`` returned: the persistence process commits what it was handed."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lowdiff_harness import Scenario, assert_state_equal, train_run
+
+import lowdiff
+import lowdiff.testing
+
+CHILD = Path(__file__).with_name("kill9_child.py")
+STEPS = 40
+# No object tracked at the end of the iteration (no scheduler): then even the iteration in progress is committed.
+SCENARIO = Scenario(model="mlp_bn", optimizer="adamw", groups=2, scheduler=False, clip=True, compressor="topk",
+                    ratio=0.25, batch_steps=16, every_steps=12, codec="none", seed=11, persistence="process")
+KILL_AFTER = [3, 14, 17, 33]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    return train_run(SCENARIO, tmp_path_factory.mktemp("ref") / "run", STEPS)
+
+
+@pytest.mark.parametrize("compressor", ["topk", "powersgd", "none"])
+def test_process_persistence_is_exact(tmp_path: Path, compressor: str) -> None:
+    s = Scenario(compressor=compressor, batch_steps=3, every_steps=5, scheduler=True, persistence="process")
+    t = train_run(s, tmp_path / "run", 14)
+    st = t.opt.stats
+    assert st is not None and st.durable_step == 14 and st.write_error is None
+    for k in (14, 12, 7, 5, 1):
+        assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _run_and_signal(run_dir: Path, kill_after: int, sig: int) -> int:
+    """Start the trainer, send ``sig`` to it alone once it has reported step ``kill_after``, wait for its
+    persistence process to finish; returns the last step the trainer reported as returned from opt.step()."""
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(run_dir), json.dumps(SCENARIO.to_dict()), str(STEPS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        step = 0
+        line = proc.stdout.readline()
+        assert line.startswith("START"), line + proc.stderr.read()[-3000:]
+        while step < kill_after:
+            line = proc.stdout.readline().strip()
+            if line == "DONE" or not line:
+                break
+            step = int(line.split()[0])
+        helpers = _descendants(proc.pid)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert proc.returncode == -sig
+        deadline = time.monotonic() + 60
+        while not all(_gone(p) for p in helpers):
+            assert time.monotonic() < deadline, "the persistence process did not finish"
+            time.sleep(0.02)
+        return step
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+
+
+@pytest.mark.parametrize("sig,kill_after", [(signal.SIGKILL, k) for k in KILL_AFTER] + [(signal.SIGTERM, 9)])
+def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: int, kill_after: int) -> None:
+    run_dir = tmp_path / "run"
+    returned = _run_and_signal(run_dir, kill_after, sig)
+    rec = lowdiff.recover(run_dir, workers=1)
+    note = f"signal {sig} after step {returned} returned; recovered {rec.step}"
+    # The step after the last reported one may have returned too (killed between opt.step() and the report).
+    assert returned <= rec.step <= returned + 1, note
+    assert rec.report.skipped == [], note
+    assert_state_equal(*reference.refs[rec.step], rec)
+
+
+@pytest.mark.parametrize("persistence", ["process", "thread"])
+def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, reference, persistence: str) -> None:
+    """Nothing tracked at the end of an iteration: the iteration in progress is complete when opt.step() returns, so
+    an exception before the next step loses nothing (the thread commits it at interpreter exit)."""
+    scenario = dataclasses.replace(SCENARIO, persistence=persistence)
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[3])\n"
+        "from lowdiff_harness import Scenario, start\n"
+        "t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])\n"
+        "for k in range(1, 8):\n"
+        "    t.step(k)\n"
+        "raise RuntimeError('boom')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), json.dumps(scenario.to_dict()),
+                          str(Path(__file__).parents[1])], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "boom" in out.stderr
+    rec = lowdiff.recover(tmp_path / "run", workers=1)
+    assert rec.step == 7
+    assert_state_equal(*reference.refs[7], rec)
+
+
+@pytest.mark.parametrize("on_write_error", ["raise", "warn"])
+def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Path, on_write_error: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(run_dir), "compressor": {"name": "none"}, "on_write_error": on_write_error,
+            "snapshot": {"every_steps": 100}, "log": {"batch_steps": 2, "persistence": "process"}})
+
+    def step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    if on_write_error == "raise":
+        with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
+            opt.flush()
+    else:
+        with caplog.at_level(logging.WARNING, logger="lowdiff"):
+            opt.flush()
+            step()
+        assert any("No space left" in r.getMessage() for r in caplog.records)
+    st = opt.stats
+    assert st is not None and st.write_error is not None and st.durable_step == 0
+    opt.close()
+
+
+def test_slow_persistence_process_blocks_the_step_and_says_so(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=0.3):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 100},
+            "log": {"batch_steps": 1, "queue_depth": 1, "persistence": "process", "backpressure_warn_s": 0.2}})
+    opt.flush()  # the process has started: what follows waits for its commits only
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        for _ in range(12):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    st = opt.stats
+    assert st is not None and st.blocked_s > 0.2 and st.queued <= 2 * 1 + 2
+    assert any("waited" in r.getMessage() and "checkpoint writer" in r.getMessage() for r in caplog.records)
+    assert opt.flush() == 12
+    opt.close()
+
+
+def test_bad_persistence_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(lowdiff.ConfigError, match="log.persistence"):
+        lowdiff.Config.from_dict({"run_dir": str(tmp_path), "log": {"persistence": "fork"}})
+
+
+def test_shadow_replica_runs_in_the_persistence_process(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+                                      "snapshot": {"every_steps": 4, "shadow": True},
+                                      "log": {"batch_steps": 3, "persistence": "process"}})
+    for k in range(11):
+        model(torch.randn(5, 6, generator=torch.Generator().manual_seed(k))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.flush() == 11
+    st = opt.stats
+    assert st is not None and st.shadow and st.snapshots == 2 and st.write_error is None
+    opt.close()
+    rec = lowdiff.recover(tmp_path / "run", step=8, workers=1)
+    assert rec.step == 8
+    last = lowdiff.recover(tmp_path / "run", workers=1)
+    assert last.step == 11
+    for name, t in model.state_dict().items():
+        assert torch.equal(last.model[name], t), name
+
+
+def test_ring_is_replaced_when_records_outgrow_it(tmp_path: Path) -> None:
+    """A parameter that gets its first gradient late makes records 4 MB larger than the ring was sized for: the
+    open segment is committed early and a larger ring replaces the old one; nothing is lost or reordered."""
+    torch.manual_seed(0)
+    small, big = torch.nn.Linear(4, 4), torch.nn.Linear(1024, 1024)
+    model = torch.nn.ModuleDict({"small": small, "big": big})
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+                                      "snapshot": {"every_steps": 100},
+                                      "log": {"batch_steps": 4, "persistence": "process"}})
+    states = {}
+    for k in range(1, 11):
+        loss = small(torch.randn(2, 4, generator=torch.Generator().manual_seed(k))).sum()
+        if k > 5:
+            loss = loss + big(torch.randn(2, 1024, generator=torch.Generator().manual_seed(k))).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        states[k] = {n: t.clone() for n, t in model.state_dict().items()}
+    assert opt.flush() == 10
+    opt.close()
+    for k in (5, 7, 10):
+        rec = lowdiff.recover(tmp_path / "run", step=k, workers=1)
+        for name, t in states[k].items():
+            assert torch.equal(rec.model[name], t), (k, name)
