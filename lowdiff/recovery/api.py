@@ -23,7 +23,8 @@ from lowdiff.recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
-from lowdiff.storage.format import MANIFEST, decode_value
+from lowdiff.storage import layout
+from lowdiff.storage.format import MANIFEST, FileSet, decode_value
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.snapshot import read_rank_state
@@ -119,9 +120,14 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
                 raise CorruptFileError(f"{root}: no undamaged snapshot and log reach step "
                                        f"{'the latest' if step is None else step}: {'; '.join(skipped)}") from e
             raise
+        chains = [c for c in chains if _one_layout(manifest, c, target)]
+        if not chains:
+            raise StepNotAvailableError(f"{root}: step {target} is reached only by a chain that changes its sharded "
+                                        "layout (fully_shard on another number of ranks) without a snapshot between")
         chain = chains[0]
+        stored = layout.view(manifest, _layout_of(manifest, chain.snapshot))
         try:
-            result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress,
+            result, nworkers, mode = _replay_chain(stored, chain, target, workers, device, optimizer_class, progress,
                                                    options)
         except FileVanishedError as e:
             # Retention (a live trainer's, or compaction) deleted a file after it was listed: list again.
@@ -152,6 +158,19 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped)
         return _assemble(manifest, result, target, chain, report, device, rank)
+
+
+def _layout_of(manifest: Manifest, files: FileSet) -> int:
+    """The layout a file set is in: its shard count when the run has a sharded layout of that many ranks (format
+    2.3, lowdiff.storage.layout), else 1 (whole tensors, each rank a share of them)."""
+    n = len(files.paths)
+    return n if n in layout.layouts(manifest.sharding) else 1
+
+
+def _one_layout(manifest: Manifest, chain: Chain, target: int) -> bool:
+    """A chain replays in one layout: a resume on another number of fully_shard ranks starts a new snapshot."""
+    want = _layout_of(manifest, chain.snapshot)
+    return all(_layout_of(manifest, s.files) == want for s in chain.segments_to(target))
 
 
 MAX_RELISTS = 20
@@ -207,27 +226,31 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
 
 def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain, report: RecoveryReport,
               device: str = "cpu", rank: int | None = None) -> Recovered:
+    count = _layout_of(manifest, chain.snapshot)
+    stored = layout.view(manifest, count)
+    params, opt_state, comp_state = layout.unshard(manifest, count, r.params, r.optimizer_state,
+                                                   r.compressor_state)
     tensors: dict[str, torch.Tensor] = {}
     tensors.update(r.buffers)
-    tensors.update(r.params)
+    tensors.update(params)
     model: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, canonical in manifest.state_dict_keys:
         if canonical not in tensors:
             raise CorruptFileError(f"{chain.snapshot}: no value for {canonical!r}")
         model[key] = tensors[canonical]
-    optimizer = to_indexed({n: r.optimizer_state[n] for n in manifest.optimized_params if n in r.optimizer_state},
+    optimizer = to_indexed({n: opt_state[n] for n in manifest.optimized_params if n in opt_state},
                            manifest.param_groups, r.groups)
     # A compacted snapshot was itself rebuilt from the log, so its compressor memory is partial too.
     exact = target == chain.snapshot_step and bool(r.snapshot_extra.get("compressor_state_exact", True))
     if exact:
-        comp = r.compressor_state
+        comp = comp_state
     else:
-        comp = {n: {"q": st["q"]} for n, st in r.compressor_state.items() if "q" in st}
+        comp = {n: {"q": st["q"]} for n, st in comp_state.items() if "q" in st}
         comp.update({n: {"q": q} for n, q in r.last_q.items()})
     rank_state: dict[str, dict[str, torch.Tensor]] = {}
     if exact and rank is not None:
         try:
-            rank_state = read_rank_state(chain.snapshot, manifest, rank)
+            rank_state = read_rank_state(chain.snapshot, stored, rank)
         except CorruptFileError as e:  # only compression's memory is lost: parameters and optimizer are exact
             log.warning("recovery: rank %d's compressor memory in %s is unreadable (%s); it restarts at zero",
                         rank, chain.snapshot, e)

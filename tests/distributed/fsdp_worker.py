@@ -1,0 +1,144 @@
+"""One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
+
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp]
+      [--refuse WHAT]
+
+The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
+bias: one rank's shard is empty), a frozen parameter, a BatchNorm and two optimizer groups; the loop clips the
+gradient norm over the DTensors. Every rank saves the full (gathered) state after every step to REF_OUT (a list of
+(step, model_sd, optim_sd)) for the test to compare with recovery: gathered here, in the test's reference only.
+--die-at STEP: every rank exits abruptly at the start of STEP (no close(), no flush). --mp: MixedPrecisionPolicy
+(bfloat16 parameters in forward and backward, float32 reduction). --refuse WHAT: build an unsupported setup, call
+lowdiff.wrap and print the error's type and message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import lowdiff
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 145), torch.nn.BatchNorm1d(145), torch.nn.ReLU(),
+        torch.nn.Linear(145, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1),
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 1, generator=g)
+
+
+def full(t: object) -> object:
+    return t.full_tensor() if isinstance(t, DTensor) else t  # a collective: every rank calls it
+
+
+def gathered(model: torch.nn.Module, inner: torch.optim.Optimizer) -> tuple[dict, dict]:
+    msd = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+    osd = inner.state_dict()
+    state = {i: {k: full(v).clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+             for i, st in osd["state"].items()}
+    return msd, {"state": state, "param_groups": osd["param_groups"]}
+
+
+def refuse(what: str, model: torch.nn.Module, cfg: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    if what == "tied":
+        model[5] = torch.nn.Linear(5, 5)
+        model[3].weight = model[5].weight
+        fully_shard(model)
+    elif what == "hsdp":
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+    elif what == "placement":
+        fully_shard(model, shard_placement_fn=lambda p: None if p.dim() < 2 else __import__(
+            "torch.distributed.tensor", fromlist=["Shard"]).Shard(1))
+    elif what == "optimizer":
+        fully_shard(model)
+    elif what == "plain":
+        fully_shard(model[0])
+    else:
+        raise SystemExit(f"unknown --refuse {what}")
+    del Replicate
+    inner = (torch.optim.Adafactor(model.parameters()) if what == "optimizer"
+             else torch.optim.AdamW(model.parameters()))
+    try:
+        lowdiff.wrap(inner, model, cfg)
+    except lowdiff.LowDiffError as e:
+        print(f"REFUSED {type(e).__name__}: {e}", flush=True)
+    else:
+        print("ACCEPTED", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("compressor")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("ref_out")
+    ap.add_argument("--die-at", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-at", default="latest")
+    ap.add_argument("--mp", action="store_true")
+    ap.add_argument("--refuse", default="")
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    model = make_model()
+    cfg = {
+        "run_dir": args.run_dir,
+        "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
+        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
+    }
+    if args.refuse:
+        refuse(args.refuse, model, cfg)
+        dist.destroy_process_group()
+        return
+    model[3].bias.requires_grad_(False)  # a frozen parameter: in no optimizer group
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None
+    kw = {"mp_policy": mp} if mp is not None else {}
+    fully_shard(model[0], **kw)
+    fully_shard(model, **kw)
+    inner = torch.optim.AdamW([
+        {"params": [model[0].weight, model[0].bias, model[1].weight, model[1].bias], "lr": 1e-2},
+        {"params": [model[3].weight, model[5].weight, model[5].bias], "lr": 5e-3, "weight_decay": 0.0},
+    ])
+    torch.manual_seed(99 + rank)
+    opt = lowdiff.wrap(inner, model, cfg)
+    start = opt.resume(at=args.resume_at) if args.resume else 0
+    print(f"START {start}", flush=True)
+    refs, losses = [], []
+    for step in range(start + 1, args.steps + 1):
+        if step == args.die_at:
+            os._exit(17)
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        losses.append((step, loss.item()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        msd, osd = gathered(model, inner)
+        refs.append((step, msd, osd))
+    opt.close()
+    if rank == 0:
+        torch.save(refs, args.ref_out)
+    torch.save(losses, f"{args.ref_out}.rank{rank}.losses")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
