@@ -71,10 +71,6 @@ def shard_spec(spec: ModelSpec, optimizer: torch.optim.Optimizer, rank: int, wor
         raise UnsupportedError(f"{cls} under fully_shard: lowdiff replays each rank's shard on its own, which is exact "
                                "only for element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, "
                                "RAdam, Adadelta); use one of them, or DDP")
-    aliased = [k for k, c in spec.manifest.state_dict_keys if k != c and spec.manifest.has_param(c)]
-    if aliased:
-        raise UnsupportedError(f"tied parameter {aliased[0]!r} under fully_shard: lowdiff cannot tell whether its "
-                               "two places are sharded once or twice; untie it, or use DDP")
     for name, p in spec.params.items():
         if not isinstance(p, dt):
             raise UnsupportedError(f"parameter {name!r} is not sharded by fully_shard while others are: apply "
@@ -164,7 +160,7 @@ def compressor_state(rec: Any, spec: ModelSpec, sharded: Sharded, rec_layout: in
         st: dict[str, torch.Tensor] = {}
         for k, v in rec.compressor_state.get(name, {}).items():
             if same and rec.compressor_state_exact:
-                st[k] = v[off:off + length].clone().to(p.device)
+                st[k] = layout.rows(v, tuple(p.shape), off, length).clone().to(p.device)
             else:
                 dropped = True
         if same:

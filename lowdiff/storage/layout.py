@@ -116,9 +116,10 @@ def unshard(manifest: Any, count: int, params: dict[str, torch.Tensor],
         comp = [compressor_state.get(n, {}) for n in names]
         for key in set().union(*comp):
             parts = [c.get(key) for c in comp]
-            if all(t is not None and params.get(n) is not None and t.shape == params[n].shape
-                   for t, n in zip(parts, names)):
-                out_c.setdefault(p.name, {})[key] = _join(parts, p.shape)  # type: ignore[arg-type]
+            if all(t is not None and params.get(n) is not None and t.numel() == params[n].numel()
+                   for t, n in zip(parts, names)):  # per element (Top-k's residual is flat): joined likewise
+                whole = parts[0].shape == params[names[0]].shape  # type: ignore[union-attr]
+                out_c.setdefault(p.name, {})[key] = _join(parts, p.shape if whole else (p.numel,))  # type: ignore
             else:
                 for n, c in zip(names, comp):
                     if key in c:
@@ -127,7 +128,19 @@ def unshard(manifest: Any, count: int, params: dict[str, torch.Tensor],
 
 
 def _join(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1, *shape[1:]) if shape else t.reshape(-1) for t in parts]).reshape(shape)
+    """Shards are row ranges, so their elements in order are the whole tensor's, row-major."""
+    return torch.cat([t.reshape(-1) for t in parts]).reshape(shape)
+
+
+def rows(whole: torch.Tensor, shape: tuple[int, ...], offset: int, length: int) -> torch.Tensor:
+    """Rows ``[offset, offset + length)`` of a per-element tensor of a parameter of ``shape``: a view of them,
+    kept flat when ``whole`` is flat (as Top-k's residual)."""
+    if tuple(whole.shape) == tuple(shape):
+        return whole[offset:offset + length]
+    per = 1
+    for s in shape[1:]:
+        per *= s
+    return whole.reshape(-1)[offset * per:(offset + length) * per]
 
 
 def _join_state(states: list[dict[str, Any]], shards: list[torch.Tensor | None], shape: tuple[int, ...]

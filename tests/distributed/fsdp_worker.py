@@ -1,15 +1,15 @@
 """One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
 
 argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp]
-      [--refuse WHAT]
+      [--refuse WHAT,...]
 
 The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
 bias: one rank's shard is empty), a frozen parameter, a BatchNorm and two optimizer groups; the loop clips the
 gradient norm over the DTensors. Every rank saves the full (gathered) state after every step to REF_OUT (a list of
 (step, model_sd, optim_sd)) for the test to compare with recovery: gathered here, in the test's reference only.
 --die-at STEP: every rank exits abruptly at the start of STEP (no close(), no flush). --mp: MixedPrecisionPolicy
-(bfloat16 parameters in forward and backward, float32 reduction). --refuse WHAT: build an unsupported setup, call
-lowdiff.wrap and print the error's type and message.
+(bfloat16 parameters in forward and backward, float32 reduction). --refuse WHAT,...: for each, build an
+unsupported setup (hsdp, placement, plain, optimizer), call lowdiff.wrap and print what it raised.
 """
 
 from __future__ import annotations
@@ -51,35 +51,28 @@ def gathered(model: torch.nn.Module, inner: torch.optim.Optimizer) -> tuple[dict
     return msd, {"state": state, "param_groups": osd["param_groups"]}
 
 
-def refuse(what: str, model: torch.nn.Module, cfg: dict) -> None:
+def refuse(what: str, cfg: dict) -> None:
+    """Build one unsupported setup, wrap it, print what lowdiff said."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
 
-    if what == "tied":
-        model[5] = torch.nn.Linear(5, 5)
-        model[3].weight = model[5].weight
-        fully_shard(model)
-    elif what == "hsdp":
-        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-        fully_shard(model, mesh=mesh)
-    elif what == "placement":
-        fully_shard(model, shard_placement_fn=lambda p: None if p.dim() < 2 else __import__(
-            "torch.distributed.tensor", fromlist=["Shard"]).Shard(1))
-    elif what == "optimizer":
-        fully_shard(model)
-    elif what == "plain":
+    model = make_model()
+    if what == "hsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    elif what == "placement":  # tensor-parallel-like: weights sharded along dimension 1
+        fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % 2 == 0 else None)
+    elif what == "plain":  # the root is not fully_shard-ed: its other parameters stay plain tensors
         fully_shard(model[0])
     else:
-        raise SystemExit(f"unknown --refuse {what}")
-    del Replicate
+        fully_shard(model)
     inner = (torch.optim.Adafactor(model.parameters()) if what == "optimizer"
              else torch.optim.AdamW(model.parameters()))
     try:
         lowdiff.wrap(inner, model, cfg)
     except lowdiff.LowDiffError as e:
-        print(f"REFUSED {type(e).__name__}: {e}", flush=True)
+        print(f"REFUSED {what} {type(e).__name__}: {e}", flush=True)
     else:
-        print("ACCEPTED", flush=True)
+        print(f"ACCEPTED {what}", flush=True)
 
 
 def main() -> None:
@@ -103,12 +96,15 @@ def main() -> None:
         "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
     }
     if args.refuse:
-        refuse(args.refuse, model, cfg)
+        for i, what in enumerate(args.refuse.split(",")):
+            refuse(what, cfg | {"run_dir": f"{args.run_dir}-{i}"})
         dist.destroy_process_group()
         return
     model[3].bias.requires_grad_(False)  # a frozen parameter: in no optimizer group
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None
     kw = {"mp_policy": mp} if mp is not None else {}
+    if mp is not None:
+        fully_shard(model[1])  # BatchNorm in float32 (its running statistics are float32 buffers)
     fully_shard(model[0], **kw)
     fully_shard(model, **kw)
     inner = torch.optim.AdamW([
