@@ -125,23 +125,26 @@ def adopt_layout(recorded: Manifest, current: Manifest, world: int, fsdp: bool, 
 
 
 def load_state(rec: Any, spec: ModelSpec, sharded: Sharded, optimizer: torch.optim.Optimizer) -> None:
-    """Put this rank's rows of the recovered (whole) model and optimizer state into its live shards."""
+    """Put this rank's rows of the recovered model and optimizer state into its live shards: ``rec`` holds either
+    the whole model, or (``rec.shard``) this rank's shards under their stored names."""
     dt = _dtensor_type()
+    own = rec.shard is not None
     with torch.no_grad():
         for stored, name in sharded.names.items():
             p = spec.params[stored]
             off, length = sharded.bounds(p)
-            local(p).copy_(rec.model[name][off:off + length])
+            local(p).copy_(rec.model[stored] if own else rec.model[name][off:off + length])
         for slot in spec.buffers:
             slot.get().copy_(rec.model[slot.name])
     order = [p for _, p in spec.optimized]
     state: dict[int, dict[str, Any]] = {}
     for i, st in rec.optimizer["state"].items():
         p = order[i]
-        off, length = sharded.bounds(p)
+        off, length = (0, p.to_local().shape[0]) if own else sharded.bounds(p)
+        whole = p.to_local().shape if own else p.shape
         state[i] = {k: dt.from_local(v[off:off + length].clone(), p.device_mesh, p.placements, run_check=False,
                                      shape=p.shape, stride=p.stride())
-                    if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                    if isinstance(v, torch.Tensor) and v.shape == whole else v
                     for k, v in st.items()}
     optimizer.load_state_dict({"state": state, "param_groups": rec.optimizer["param_groups"]})
 
@@ -151,6 +154,9 @@ def compressor_state(rec: Any, spec: ModelSpec, sharded: Sharded, rec_layout: in
     """This rank's compressor memory: its rows of the joined error-feedback residuals when ``rec.step`` is a
     snapshot step written in this layout (exact), and PowerSGD's warm-start Q of its shard in the same layout;
     residuals restart at zero otherwise (said once)."""
+    if rec.shard is not None:  # this rank's shards' own memory, as recovery selected it
+        return {n: {k: v.to(spec.params[n].device) for k, v in st.items()} for n, st in rec.compressor_state.items()
+                if n in spec.params}
     same = rec_layout == (sharded.world if sharded.world > 1 else 1)
     out: dict[str, dict[str, torch.Tensor]] = {}
     dropped = False

@@ -240,7 +240,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         world = self._coord.world_size
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
         rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
-                                 rank=self._coord.rank if world > 1 else None)
+                                 rank=self._coord.rank if world > 1 else None,
+                                 shard=(self._coord.rank, world) if self._sharded is not None else None)
         if self._sharded is not None:
             fsdp.load_state(rec, self._spec, self._sharded, self.inner)
         else:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.config import resolve_codec
+from lowdiff.errors import UnsupportedError
 from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
 from lowdiff.storage.format import encode_value, list_snapshots
@@ -34,6 +35,9 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     """
     root = Path(run_dir)
     manifest = read_manifest(root)
+    if manifest.sharding is not None:
+        raise UnsupportedError(f"{root}: lowdiff compact does not write the sharded snapshots of a fully_shard run "
+                               "yet; keep its snapshots (snapshot.keep) instead")
     run = RunDir(root)
     run.open()  # the writer lock: refuses to run beside a live trainer
     try:

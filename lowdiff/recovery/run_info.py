@@ -10,6 +10,7 @@ from typing import Any
 
 from lowdiff.errors import LowDiffError
 from lowdiff.storage.format import FileSet, list_segments, list_snapshots
+from lowdiff.storage.layout import for_files
 from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.run_dir import DECISIONS_FILE
@@ -99,7 +100,7 @@ def _newest_compressor(manifest: Manifest, segs: list[tuple[int, int, FileSet]])
     """What the newest segment that opens says it was compressed with (its header only; no payload is read)."""
     for first, last, files in reversed(segs):
         try:
-            reader = SegmentReader(files, manifest, first, last)
+            reader = SegmentReader(files, for_files(manifest, files), first, last)
         except LowDiffError:
             continue
         try:

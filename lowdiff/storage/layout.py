@@ -75,6 +75,18 @@ def check_sharding(doc: Any, shapes: dict[str, tuple[int, ...]], path: Path) -> 
     return doc
 
 
+def layout_of(manifest: Any, files: Any) -> int:
+    """The layout a file set is in: its shard count when the run has a sharded layout of that many ranks, else 1
+    (whole tensors, each rank of a DDP run a share of them)."""
+    n = len(files.paths)
+    return n if n in layouts(manifest.sharding) else 1
+
+
+def for_files(manifest: Any, files: Any) -> Any:
+    """The manifest the tensors of the file set ``files`` are checked against (:func:`view` of its layout)."""
+    return view(manifest, layout_of(manifest, files))
+
+
 def view(manifest: Any, count: int) -> Any:
     """The manifest of the tensors a file set of ``count`` shards stores: ``manifest`` itself for whole tensors,
     else every parameter replaced by its ``count`` shards (in order, groups likewise)."""

@@ -55,6 +55,13 @@ def test_every_step_recovers_exactly_in_one_process(tmp_path: Path, compressor: 
     for step, model_sd, optim_sd in refs:
         rec = lowdiff.recover(run, step=step, workers=1 if step % 2 else 2)
         assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+    # One rank's shards alone (what opt.resume() on two ranks reads): its rows of every tensor, under stored names.
+    mine = lowdiff.recover(run, step=8, shard=(1, 2))
+    assert mine.shard == (1, 2)
+    assert torch.equal(mine.model["0.weight#1-of-2"], rec.model["0.weight"][73:])
+    assert mine.model["5.weight#1-of-2"].shape == (0, 5) and "0.weight#0-of-2" not in mine.model
+    assert torch.equal(mine.model["1.running_mean"], rec.model["1.running_mean"])
+    assert torch.equal(mine.optimizer["state"][0]["exp_avg"], rec.optimizer["state"][0]["exp_avg"][73:])
     # The unsharded result loads into the plain model.
     from fsdp_worker import make_model
 
