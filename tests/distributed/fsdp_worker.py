@@ -1,6 +1,6 @@
 """One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp] [--ddp]
       [--refuse WHAT,...]
 
 The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
@@ -8,7 +8,8 @@ bias: one rank's shard is empty), a frozen parameter, a BatchNorm and two optimi
 gradient norm over the DTensors. Every rank saves the full (gathered) state after every step to REF_OUT (a list of
 (step, model_sd, optim_sd)) for the test to compare with recovery: gathered here, in the test's reference only.
 --die-at STEP: every rank exits abruptly at the start of STEP (no close(), no flush). --mp: MixedPrecisionPolicy
-(bfloat16 parameters in forward and backward, float32 reduction). --refuse WHAT,...: for each, build an
+(bfloat16 parameters in forward and backward, float32 reduction). --ddp: the same loop under
+DistributedDataParallel (nothing in the loop differs). --refuse WHAT,...: for each, build an
 unsupported setup (hsdp, placement, plain, optimizer), call lowdiff.wrap and print what it raised.
 """
 
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--resume-at", default="latest")
     ap.add_argument("--mp", action="store_true")
     ap.add_argument("--refuse", default="")
+    ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of fully_shard, same loop")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
@@ -103,16 +105,20 @@ def main() -> None:
     model[3].bias.requires_grad_(False)  # a frozen parameter: in no optimizer group
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None
     kw = {"mp_policy": mp} if mp is not None else {}
-    if mp is not None:
-        fully_shard(model[1])  # BatchNorm in float32 (its running statistics are float32 buffers)
-    fully_shard(model[0], **kw)
-    fully_shard(model, **kw)
+    net: torch.nn.Module = model
+    if args.ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        if mp is not None:
+            fully_shard(model[1])  # BatchNorm in float32 (its running statistics are float32 buffers)
+        fully_shard(model[0], **kw)
+        fully_shard(model, **kw)
     inner = torch.optim.AdamW([
         {"params": [model[0].weight, model[0].bias, model[1].weight, model[1].bias], "lr": 1e-2},
         {"params": [model[3].weight, model[5].weight, model[5].bias], "lr": 5e-3, "weight_decay": 0.0},
     ])
     torch.manual_seed(99 + rank)
-    opt = lowdiff.wrap(inner, model, cfg)
+    opt = lowdiff.wrap(inner, net, cfg)
     start = opt.resume(at=args.resume_at) if args.resume else 0
     print(f"START {start}", flush=True)
     refs, losses = [], []
@@ -120,7 +126,7 @@ def main() -> None:
         if step == args.die_at:
             os._exit(17)
         x, y = batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss = torch.nn.functional.mse_loss(net(x).float(), y)
         loss.backward()
         losses.append((step, loss.item()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

@@ -129,6 +129,32 @@ def test_resume_on_one_rank(tmp_path: Path) -> None:
     snaps = list_snapshots(run)
     assert len(snaps[5].paths) == 2 and len(snaps[8].paths) == 1 and len(snaps[10].paths) == 1
     assert {len(f.paths) for _, _, f in list_segments(run)} == {1, 2}
+    assert lowdiff.verify(run).problems == []
+    # Without the snapshots of the one-rank layout, no chain reaches step 12 in one layout: refused, never
+    # replayed across the change.
+    for step in (8, 10):
+        snaps[step].paths[0].unlink()
+    with pytest.raises(lowdiff.StepNotAvailableError, match="layout"):
+        lowdiff.recover(run, step=12)
+
+
+def test_resume_on_four_ranks_then_two(tmp_path: Path) -> None:
+    """2 ranks to step 5 (a snapshot step), 4 ranks to 9, 2 again to 12 (Top-k): each resume starts from the
+    state the other layout left, rewrites the resumed step in its own layout (moving the other layout's snapshot of
+    that step to quarantine/), and every step recovers exactly."""
+    run = tmp_path / "run"
+    torchrun(2, str(run), "topk", "5", str(tmp_path / "a.pt"))
+    assert "START 5" in torchrun(4, str(run), "topk", "9", str(tmp_path / "b.pt"), "--resume", timeout=300).stdout
+    assert "START 9" in torchrun(2, str(run), "topk", "12", str(tmp_path / "c.pt"), "--resume").stdout
+    layouts = json.loads((run / "manifest.json").read_text())["sharding"]["layouts"]
+    assert [lay["mesh_size"] for lay in layouts] == [2, 4]
+    assert layouts[1]["shards"]["0.weight"] == [[0, 37], [37, 37], [74, 37], [111, 34]]
+    assert layouts[1]["shards"]["3.weight"] == [[0, 2], [2, 2], [4, 1], [5, 0]]
+    for step, model_sd, optim_sd in load(tmp_path / "a.pt") + load(tmp_path / "b.pt") + load(tmp_path / "c.pt"):
+        rec = lowdiff.recover(run, step=step)
+        assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+    assert len(list_snapshots(run)[5].paths) == 4
+    assert len(list((run / "quarantine").iterdir())) == 2
 
 
 def test_mixed_precision_with_fp32_reduction(tmp_path: Path) -> None:
@@ -136,6 +162,19 @@ def test_mixed_precision_with_fp32_reduction(tmp_path: Path) -> None:
     for step, model_sd, optim_sd in load(tmp_path / "ref.pt"):
         rec = lowdiff.recover(tmp_path / "run", step=step)
         assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+
+
+def test_ddp_and_fully_shard_do_not_resume_each_others_runs(tmp_path: Path) -> None:
+    """The same loop under DDP (--ddp) and under fully_shard: each run directory is refused by the other on two
+    ranks, with an error that says what to do."""
+    torchrun(2, str(tmp_path / "ddp"), "none", "3", str(tmp_path / "ddp.pt"), "--ddp")
+    proc = torchrun(2, str(tmp_path / "ddp"), "none", "5", str(tmp_path / "x.pt"), "--resume", check=False)
+    assert proc.returncode != 0 and "this run was trained under DDP on several ranks" in proc.stdout + proc.stderr
+    torchrun(2, str(tmp_path / "fsdp"), "none", "3", str(tmp_path / "fsdp.pt"))
+    proc = torchrun(2, str(tmp_path / "fsdp"), "none", "5", str(tmp_path / "y.pt"), "--resume", "--ddp", check=False)
+    assert proc.returncode != 0 and "this run was trained with fully_shard" in proc.stdout + proc.stderr
+    # Each run recovers in one process as the same model.
+    assert set(lowdiff.recover(tmp_path / "ddp").model) == set(lowdiff.recover(tmp_path / "fsdp").model)
 
 
 def test_unsupported_setups_are_refused_at_wrap(tmp_path: Path) -> None:
