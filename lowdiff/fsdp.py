@@ -208,6 +208,14 @@ def adopt(run_dir: Any, spec: ModelSpec, coord: Any, sharded: Sharded | None, le
     coord.barrier("sharded layout")
 
 
+def changes_layout(recorded: Manifest, rec_world: int, sharded: Sharded | None) -> bool:
+    """Whether this process writes in another layout than the chain it resumed from (then :func:`rebase`): a
+    fully_shard run resumed on another number of ranks, or in one process without fully_shard."""
+    known = layout.layouts(recorded.sharding)
+    mine = sharded.world if sharded is not None and sharded.world > 1 else 1
+    return (rec_world if rec_world in known else 1) != mine
+
+
 def rebase(staged: Any, run_dir: Any, coord: Any, groups: list[dict[str, Any]], codec: str) -> None:
     """Write the state a resume on another number of ranks starts from as a snapshot in the new layout: a chain
     never replays across two layouts (FORMAT.md section 9). Another layout's snapshot of the same step is moved to

@@ -266,7 +266,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
         self._tracker.restore(rec.data, rec.step, end_known=rec.end_groups is not None)
         rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
-        if self._sharded is not None and rec.world_size != self._coord.world_size:
+        if fsdp.changes_layout(self._run_dir.read_manifest(), rec.world_size, self._sharded):
             data = {**self._tracker.state(AT_STEP)[0], **self._tracker.state(AT_END)[0]}
             fsdp.rebase(self._stager.snapshot(rec.step, data), self._run_dir, self._coord, self.inner.param_groups,
                         resolve_codec(self.config.log.codec, self.config.compressor.name))

@@ -1,6 +1,6 @@
 """One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp] [--ddp]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp] [--ddp | --plain]
       [--refuse WHAT,...]
 
 The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
@@ -9,7 +9,7 @@ gradient norm over the DTensors. Every rank saves the full (gathered) state afte
 (step, model_sd, optim_sd)) for the test to compare with recovery: gathered here, in the test's reference only.
 --die-at STEP: every rank exits abruptly at the start of STEP (no close(), no flush). --mp: MixedPrecisionPolicy
 (bfloat16 parameters in forward and backward, float32 reduction). --ddp: the same loop under
-DistributedDataParallel (nothing in the loop differs). --refuse WHAT,...: for each, build an
+DistributedDataParallel (nothing in the loop differs); --plain: the plain model. --refuse WHAT,...: for each, build an
 unsupported setup (hsdp, placement, plain, optimizer), call lowdiff.wrap and print what it raised.
 """
 
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--mp", action="store_true")
     ap.add_argument("--refuse", default="")
     ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of fully_shard, same loop")
+    ap.add_argument("--plain", action="store_true", help="neither: the plain model (one rank)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
@@ -108,7 +109,7 @@ def main() -> None:
     net: torch.nn.Module = model
     if args.ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)
-    else:
+    elif not args.plain:
         if mp is not None:
             fully_shard(model[1])  # BatchNorm in float32 (its running statistics are float32 buffers)
         fully_shard(model[0], **kw)

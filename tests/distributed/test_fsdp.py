@@ -138,6 +138,18 @@ def test_resume_on_one_rank(tmp_path: Path) -> None:
         lowdiff.recover(run, step=12)
 
 
+def test_resume_in_one_process_without_fully_shard(tmp_path: Path) -> None:
+    """A fully_shard run continued by the plain model in one process: the resume rewrites the resumed step with
+    whole tensors, and every step of both parts recovers exactly."""
+    run = tmp_path / "run"
+    torchrun(2, str(run), "topk", "6", str(tmp_path / "two.pt"))
+    assert "START 6" in torchrun(1, str(run), "topk", "9", str(tmp_path / "one.pt"), "--resume", "--plain").stdout
+    for step, model_sd, optim_sd in load(tmp_path / "two.pt") + load(tmp_path / "one.pt"):
+        rec = lowdiff.recover(run, step=step)
+        assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+    assert len(list_snapshots(run)[6].paths) == 1
+
+
 def test_resume_on_four_ranks_then_two(tmp_path: Path) -> None:
     """2 ranks to step 5 (a snapshot step), 4 ranks to 9, 2 again to 12 (Top-k): each resume starts from the
     state the other layout left, rewrites the resumed step in its own layout (moving the other layout's snapshot of
