@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError, StepNotAvailableError
+from lowdiff.errors import (
+    CorruptFileError,
+    FileVanishedError,
+    LowDiffError,
+    StepNotAvailableError,
+    UnsupportedError,
+)
 from lowdiff.named_state import to_indexed
 from lowdiff.recovery import procs
 from lowdiff.recovery.optimizers import check_manifest_optimizer, resolve_optimizer_class
@@ -186,6 +192,9 @@ def check_optimizer(root: Path, manifest: Manifest, optimizer_class: type | None
     """The run's optimizer class, resolved and checked against the manifest's defaults (a refusal names the
     manifest: it is the file at fault, and no other file can stand in for it)."""
     where = root / MANIFEST
+    if manifest.sharding is not None and manifest.optimizer_class not in ELEMENTWISE_OPTIMIZERS:
+        raise UnsupportedError(f"{where}: a fully_shard run with {manifest.optimizer_class[:80]}: each shard replays "
+                               "on its own, which is exact only for element-wise optimizers (FORMAT.md section 9)")
     cls = resolve_optimizer_class(manifest.optimizer_class, optimizer_class, where=str(where))
     if optimizer_class is None:
         check_manifest_optimizer(manifest, cls, where)

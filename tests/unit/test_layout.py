@@ -83,3 +83,13 @@ def test_a_forged_sharding_is_refused(tmp_path: Path, bad: object) -> None:
     _forge(tmp_path, bad)
     with pytest.raises(CorruptFileError, match="shard"):
         read_manifest(tmp_path)
+
+
+def test_a_sharded_run_of_a_coupled_optimizer_is_refused(tmp_path: Path) -> None:
+    import dataclasses
+
+    import lowdiff
+
+    write_manifest(tmp_path, dataclasses.replace(_manifest(), optimizer_class="torch.optim.adafactor.Adafactor"))
+    with pytest.raises(lowdiff.UnsupportedError, match="element-wise"):
+        lowdiff.recover(tmp_path)
