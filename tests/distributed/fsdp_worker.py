@@ -1,7 +1,7 @@
 """One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
 
-argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp] [--ddp | --plain]
-      [--refuse WHAT,...]
+argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp]
+      [--ddp | --plain | --gpt] [--refuse WHAT,...]
 
 The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
 bias: one rank's shard is empty), a frozen parameter, a BatchNorm and two optimizer groups; the loop clips the
@@ -9,8 +9,9 @@ gradient norm over the DTensors. Every rank saves the full (gathered) state afte
 (step, model_sd, optim_sd)) for the test to compare with recovery: gathered here, in the test's reference only.
 --die-at STEP: every rank exits abruptly at the start of STEP (no close(), no flush). --mp: MixedPrecisionPolicy
 (bfloat16 parameters in forward and backward, float32 reduction). --ddp: the same loop under
-DistributedDataParallel (nothing in the loop differs); --plain: the plain model. --refuse WHAT,...: for each, build an
-unsupported setup (hsdp, placement, plain, optimizer), call lowdiff.wrap and print what it raised.
+DistributedDataParallel (nothing in the loop differs); --plain: the plain model; --gpt: examples/tinygpt.py with
+its tied embedding and head instead of the model above. --refuse WHAT,...: for each, build an unsupported setup
+(hsdp, placement, plain, optimizer), call lowdiff.wrap and print what it raised.
 """
 
 from __future__ import annotations
@@ -76,6 +77,37 @@ def refuse(what: str, cfg: dict) -> None:
         print(f"ACCEPTED {what}", flush=True)
 
 
+def gpt_run(args: argparse.Namespace, cfg: dict, rank: int) -> None:
+    """A small tinygpt (embedding and head tied inside the root unit), each block sharded on its own."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.tinygpt import GPT
+
+    torch.manual_seed(1234)
+    model = GPT(vocab_size=67, n_layer=2, n_head=2, d_model=32, block_size=16, dropout=0.0)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = lowdiff.wrap(inner, model, cfg)
+    refs = []
+    for step in range(1, args.steps + 1):
+        g = torch.Generator().manual_seed(step * 1000 + rank)
+        x, y = torch.randint(0, 67, (4, 16), generator=g), torch.randint(0, 67, (4, 16), generator=g)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        refs.append((step, *gathered(model, inner)))
+    opt.close()
+    if rank == 0:
+        torch.save(refs, args.ref_out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
@@ -89,6 +121,7 @@ def main() -> None:
     ap.add_argument("--refuse", default="")
     ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of fully_shard, same loop")
     ap.add_argument("--plain", action="store_true", help="neither: the plain model (one rank)")
+    ap.add_argument("--gpt", action="store_true", help="examples/tinygpt.py (tied embedding and head), sharded")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
@@ -102,6 +135,9 @@ def main() -> None:
         for i, what in enumerate(args.refuse.split(",")):
             refuse(what, cfg | {"run_dir": f"{args.run_dir}-{i}"})
         dist.destroy_process_group()
+        return
+    if args.gpt:
+        gpt_run(args, cfg, rank)
         return
     model[3].bias.requires_grad_(False)  # a frozen parameter: in no optimizer group
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mp else None

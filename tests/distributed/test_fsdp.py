@@ -169,6 +169,18 @@ def test_resume_on_four_ranks_then_two(tmp_path: Path) -> None:
     assert len(list((run / "quarantine").iterdir())) == 2
 
 
+def test_weights_tied_inside_one_unit(tmp_path: Path) -> None:
+    """tinygpt's embedding and head are one parameter inside the root unit: sharded once, logged once, and both
+    state_dict keys come back."""
+    torchrun(2, str(tmp_path / "run"), "topk", "4", str(tmp_path / "ref.pt"), "--gpt")
+    for step, model_sd, optim_sd in load(tmp_path / "ref.pt"):
+        rec = lowdiff.recover(tmp_path / "run", step=step)
+        assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+    assert rec.model["head.weight"] is rec.model["tok_emb.weight"]
+    names = [p["name"] for p in json.loads((tmp_path / "run" / "manifest.json").read_text())["params"]]
+    assert "tok_emb.weight" in names and "head.weight" not in names
+
+
 def test_mixed_precision_with_fp32_reduction(tmp_path: Path) -> None:
     torchrun(2, str(tmp_path / "run"), "none", "4", str(tmp_path / "ref.pt"), "--mp")
     for step, model_sd, optim_sd in load(tmp_path / "ref.pt"):
