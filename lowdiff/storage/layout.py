@@ -23,6 +23,9 @@ import torch
 
 from lowdiff.errors import CorruptFileError
 
+PER_ELEMENT_COMPRESSOR_KEYS = frozenset({"residual"})
+"""Compressor memory with one value per element of its parameter (error feedback, flat or shaped): joined and cut by
+rows like the parameter. Anything else (PowerSGD's Q) belongs to its shard."""
 SEP = "#"
 """Separates a parameter's name from its shard's number in stored tensor names (refused in parameter names)."""
 MAX_MESH = 1 << 16
@@ -128,8 +131,9 @@ def unshard(manifest: Any, count: int, params: dict[str, torch.Tensor],
         comp = [compressor_state.get(n, {}) for n in names]
         for key in set().union(*comp):
             parts = [c.get(key) for c in comp]
-            if all(t is not None and params.get(n) is not None and t.numel() == params[n].numel()
-                   for t, n in zip(parts, names)):  # per element (Top-k's residual is flat): joined likewise
+            if key in PER_ELEMENT_COMPRESSOR_KEYS and all(
+                    t is not None and params.get(n) is not None and t.numel() == params[n].numel()
+                    for t, n in zip(parts, names)):  # per element (Top-k's residual is flat): joined likewise
                 whole = parts[0].shape == params[names[0]].shape  # type: ignore[union-attr]
                 out_c.setdefault(p.name, {})[key] = _join(parts, p.shape if whole else (p.numel,))  # type: ignore
             else:
@@ -137,6 +141,35 @@ def unshard(manifest: Any, count: int, params: dict[str, torch.Tensor],
                     if key in c:
                         out_c.setdefault(n, {})[key] = c[key]
     return out_p, out_o, out_c
+
+
+def split(manifest: Any, state: Any, count: int) -> list[Any]:
+    """The inverse of :func:`unshard` for a whole snapshot (``lowdiff compact`` of a sharded run): one
+    :class:`~lowdiff.storage.snapshot.SnapshotState` per rank of the ``count``-shard layout, rank 0 with the buffers
+    and RNG states."""
+    bounds = layouts(manifest.sharding)[count]
+    stored = view(manifest, count)
+    groups = [dict(g) | {"params": names} for g, names in zip(state.param_groups, stored.param_groups)]
+    out = []
+    for i in range(count):
+        params, opt, comp = {}, {}, {}
+        for p in manifest.params:
+            off, length = bounds[p.name][i]
+            name = shard_name(p.name, i, count)
+            params[name] = rows(state.params[p.name], p.shape, off, length)
+            if p.name in state.optimizer_state:
+                opt[name] = {k: rows(v, p.shape, off, length)
+                             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) else v
+                             for k, v in state.optimizer_state[p.name].items()}
+            own = {k: rows(v, p.shape, off, length) for k, v in state.compressor_state.get(p.name, {}).items()
+                   if k in PER_ELEMENT_COMPRESSOR_KEYS and v.numel() == p.numel}
+            own.update(state.compressor_state.get(name, {}))
+            if own:
+                comp[name] = own
+        out.append(dataclasses.replace(state, params=params, optimizer_state=opt, compressor_state=comp,
+                                       param_groups=groups, buffers=state.buffers if i == 0 else {},
+                                       rng=state.rng if i == 0 else {}))
+    return out
 
 
 def _join(parts: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:

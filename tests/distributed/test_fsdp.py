@@ -78,6 +78,15 @@ def test_every_step_recovers_exactly_in_one_process(tmp_path: Path, compressor: 
     assert layout["mesh_size"] == 2
     assert layout["shards"]["0.weight"] == [[0, 73], [73, 72]]
     assert layout["shards"]["5.weight"] == [[0, 1], [1, 0]]  # rank 1's shard is empty
+    assert lowdiff.verify(run).problems == []
+    # Compaction writes its snapshot in the run's layout, one file per rank; the log after it still replays.
+    out = lowdiff.compact(run, step=7, keep=1)
+    assert out.wrote_snapshot and list(list_snapshots(run)) == [7] and len(list_snapshots(run)[7].paths) == 2
+    for step, model_sd, optim_sd in refs[6:]:
+        rec = lowdiff.recover(run, step=step)
+        assert rec.report.snapshot_step == 7
+        assert_same(step, rec.model, rec.optimizer, model_sd, optim_sd)
+    assert lowdiff.verify(run).problems == []
 
 
 def assert_continues(full: Path, resumed: Path, first: int, last: int) -> None:

@@ -93,3 +93,25 @@ def test_a_sharded_run_of_a_coupled_optimizer_is_refused(tmp_path: Path) -> None
     write_manifest(tmp_path, dataclasses.replace(_manifest(), optimizer_class="torch.optim.adafactor.Adafactor"))
     with pytest.raises(lowdiff.UnsupportedError, match="element-wise"):
         lowdiff.recover(tmp_path)
+
+
+def test_split_cuts_a_whole_snapshot_back_into_shards() -> None:
+    from lowdiff.storage.snapshot import SnapshotState
+
+    m = _manifest(2)
+    w, b = torch.randn(5, 3), torch.randn(1)
+    step = torch.tensor(3.0)
+    state = SnapshotState(step=7, params={"w": w, "b": b}, buffers={"x": torch.ones(2)},
+                          optimizer_state={"w": {"exp_avg": w * 2, "step": step}, "b": {"exp_avg": b, "step": step}},
+                          param_groups=[{"lr": 0.1, "params": ["w", "b"]}],
+                          compressor_state={"w": {"residual": w.reshape(-1)}, "w#1-of-2": {"q": torch.ones(3, 1)}},
+                          rng={"torch": torch.zeros(4, dtype=torch.uint8)})
+    parts = layout.split(m, state, 2)
+    assert [sorted(p.params) for p in parts] == [["b#0-of-2", "w#0-of-2"], ["b#1-of-2", "w#1-of-2"]]
+    assert torch.equal(parts[1].params["w#1-of-2"], w[3:]) and parts[1].params["b#1-of-2"].shape == (0,)
+    assert torch.equal(parts[0].optimizer_state["w#0-of-2"]["exp_avg"], w[:3] * 2)
+    assert parts[1].optimizer_state["w#1-of-2"]["step"] is step
+    assert torch.equal(parts[1].compressor_state["w#1-of-2"]["residual"], w[3:].reshape(-1))
+    assert torch.equal(parts[1].compressor_state["w#1-of-2"]["q"], torch.ones(3, 1))
+    assert parts[0].buffers and parts[0].rng and not parts[1].buffers and not parts[1].rng
+    assert parts[0].param_groups == [{"lr": 0.1, "params": ["w#0-of-2", "w#1-of-2", "b#0-of-2", "b#1-of-2"]}]
