@@ -46,7 +46,7 @@ def load(path: Path) -> list:
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.parametrize("compressor", ["none", "topk"])
+@pytest.mark.parametrize("compressor", ["none", "topk", "powersgd"])
 def test_every_step_recovers_exactly_in_one_process(tmp_path: Path, compressor: str) -> None:
     run = tmp_path / "run"
     torchrun(2, str(run), compressor, "8", str(tmp_path / "ref.pt"))
@@ -112,12 +112,13 @@ def test_both_ranks_killed_then_resumed_on_two_ranks_exactly(tmp_path: Path) -> 
     assert_continues(tmp_path / "a.pt", tmp_path / "b2.pt", start + 1, 11)
 
 
-def test_topk_resume_at_snapshot_keeps_each_shards_residual(tmp_path: Path) -> None:
-    """Top-k's error feedback is per shard: a 2-rank run stopped at snapshot step 10 and resumed on 2 ranks
-    continues bit for bit (each rank gets back its own shards' residuals)."""
-    torchrun(2, str(tmp_path / "a"), "topk", "13", str(tmp_path / "a.pt"))
-    torchrun(2, str(tmp_path / "b"), "topk", "10", str(tmp_path / "b1.pt"))
-    out = torchrun(2, str(tmp_path / "b"), "topk", "13", str(tmp_path / "b2.pt"), "--resume", "--resume-at",
+@pytest.mark.parametrize("compressor", ["topk", "powersgd"])
+def test_resume_at_snapshot_keeps_each_shards_residual(tmp_path: Path, compressor: str) -> None:
+    """Error feedback is per shard: a 2-rank run stopped at snapshot step 10 and resumed on 2 ranks continues bit for
+    bit (each rank gets back its own shards' residuals, and PowerSGD's warm-start Q of each shard)."""
+    torchrun(2, str(tmp_path / "a"), compressor, "13", str(tmp_path / "a.pt"))
+    torchrun(2, str(tmp_path / "b"), compressor, "10", str(tmp_path / "b1.pt"))
+    out = torchrun(2, str(tmp_path / "b"), compressor, "13", str(tmp_path / "b2.pt"), "--resume", "--resume-at",
                    "snapshot")
     assert "START 10" in out.stdout
     assert_continues(tmp_path / "a.pt", tmp_path / "b2.pt", 11, 13)
