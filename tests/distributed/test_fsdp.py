@@ -6,6 +6,8 @@ layer whose second shard is empty."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 180.0, check: bool = True):
-    import subprocess
-    import sys
-
+def torchrun(nproc: int, *args: str, timeout: float = 180.0, check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -62,10 +61,19 @@ def test_every_step_recovers_exactly_in_one_process(tmp_path: Path, compressor: 
     assert mine.model["5.weight#1-of-2"].shape == (0, 5) and "0.weight#0-of-2" not in mine.model
     assert torch.equal(mine.model["1.running_mean"], rec.model["1.running_mean"])
     assert torch.equal(mine.optimizer["state"][0]["exp_avg"], rec.optimizer["state"][0]["exp_avg"][73:])
-    # The unsharded result loads into the plain model.
+    # The unsharded result loads into the plain model; so does what lowdiff-recover writes.
     from fsdp_worker import make_model
 
     make_model().load_state_dict(rec.model)
+    out = tmp_path / "state.pt"
+    proc = subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import recover_main; "
+                           "sys.exit(recover_main(sys.argv[1:]))", str(run), "--output", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    written = torch.load(out, weights_only=True)
+    assert written["step"] == 8
+    assert_same(8, written["model"], written["optimizer"], *refs[-1][1:])
+    make_model().load_state_dict(written["model"])
     # Each rank wrote its own shard of every snapshot and segment, of about half the bytes.
     segs = list_segments(run)
     assert segs and all(len(f.paths) == 2 for _, _, f in segs)
