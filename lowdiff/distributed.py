@@ -115,14 +115,15 @@ class Coordinator:
         return [int(v) for v in t.tolist()]
 
 
-def owned_names(spec: Any, coord: Coordinator, size_of: Any) -> set[str]:
+def owned_names(spec: Any, coord: Coordinator, size_of: Any, sharded: Any = None) -> set[str]:
     """Parameter names this rank persists, a share balanced by ``size_of`` (snapshots: tensor bytes; log: the
     compressor's payload bytes, which are not proportional to them); rank 0 also keeps the parameters no optimizer
-    group holds (buffers are rank 0's too)."""
+    group holds (buffers are rank 0's too). Under fully_shard (``sharded``) each rank persists its own shard of
+    every parameter: every name of its spec."""
     from lowdiff.storage.sharding import partition_by_size
 
     all_names = set(spec.params)
-    if coord.world_size == 1:
+    if coord.world_size == 1 or sharded is not None:
         return all_names
     sizes = {n: size_of(p) for n, p in spec.optimized}
     owned = set(partition_by_size(sizes, coord.world_size)[coord.rank])

@@ -32,6 +32,13 @@ class ModelSpec:
     optimized: list[tuple[str, torch.nn.Parameter]]
     """Optimizer parameters in state_dict index order."""
     buffers: list[BufferSlot]
+    stored: Manifest | None = None
+    """Under fully_shard on several ranks: the manifest of the stored shards (lowdiff.storage.layout.view)."""
+
+    @property
+    def stored_manifest(self) -> Manifest:
+        """What the files this process writes list: the run's manifest, or its sharded layout's view."""
+        return self.stored if self.stored is not None else self.manifest
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lowdiff import fsdp
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
@@ -19,7 +20,7 @@ from lowdiff.compressors import make_compressor
 from lowdiff.config import Config, load_config, resolve_codec
 from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook, owned_names
 from lowdiff.errors import LowDiffError, UnsupportedError
-from lowdiff.iteration import AT_STEP, IterationEnd, Pending, Tracker, is_grad_scaler
+from lowdiff.iteration import AT_END, AT_STEP, IterationEnd, Pending, Tracker, is_grad_scaler
 from lowdiff.lifecycle import (
     OPEN,
     hook_scaler_update,
@@ -75,7 +76,12 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._spec = describe(self.model, optimizer, config)
         cc = config.compressor
         self.compressor = make_compressor(cc.name, ratio=cc.ratio, rank=cc.rank, error_feedback=cc.error_feedback)
-        self._coord = Coordinator(is_ddp(model))
+        self._sharded: fsdp.Sharded | None = None
+        self._coord = Coordinator(is_ddp(model) or fsdp.is_fsdp(self.model))
+        if fsdp.is_fsdp(self.model):  # each rank logs and snapshots its own shards (lowdiff/fsdp.py)
+            fsdp.check_config(config)
+            self._spec, self._sharded = fsdp.shard_spec(self._spec, optimizer, self._coord.rank,
+                                                        self._coord.world_size)
         self._hook: HookState | None = None
         if is_ddp(model):
             names = {id(p): n for n, p in self._spec.params.items()}
@@ -86,9 +92,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 raise LowDiffError(f"cannot install lowdiff's DDP communication hook ({e}); lowdiff brings its own "
                                    "compression hook: do not register another one") from e
         # This rank's share of what is persisted: snapshots balanced by tensor bytes, the log by payload bytes.
-        self._owned = owned_names(self._spec, self._coord, lambda p: p.numel() * p.element_size())
-        self._owned_log = owned_names(self._spec, self._coord,
-                                      lambda p: self.compressor.payload_nbytes(tuple(p.shape), p.element_size()))
+        self._owned = owned_names(self._spec, self._coord, lambda p: p.numel() * p.element_size(), self._sharded)
+        self._owned_log = owned_names(self._spec, self._coord, lambda p: self.compressor.payload_nbytes(
+            tuple(p.shape), p.element_size()), self._sharded)
         self._leader = self._coord.rank == 0
         self._loop = _LoopState()
         self._tracker = Tracker()
@@ -98,7 +104,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             layerwise = LayerwiseCapture([(n, p) for n, p in self._spec.optimized if n in self._owned_log], copier,
                                          bucket_bytes=config.log.capture_bucket_bytes)
         self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
-                              leader=self._leader, per_rank=self._coord.world_size > 1, layerwise=layerwise)
+                              leader=self._leader, per_rank=self._coord.world_size > 1 and self._sharded is None,
+                              layerwise=layerwise)
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
@@ -108,7 +115,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._run_dir = run_dir
             try:
                 policy = make_policy(config, run_dir, self._coord,
-                                     record_bytes_bound(self._spec.optimized, cc))
+                                     record_bytes_bound([(n, fsdp.local(p)) for n, p in self._spec.optimized], cc))
                 self._checkpointer = Checkpointer(config, run_dir, policy)
                 self._iteration = IterationEnd(self._tracker, optimizer, self._checkpointer)
                 self._open_run_dir(run_dir)
@@ -117,11 +124,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 if layerwise is not None:
                     layerwise.remove()  # nor its hooks on the model's parameters
                 raise
-            # close() at interpreter exit, or when the wrapper is garbage-collected unclosed: a script that ends
-            # without close() would otherwise lose the steps of its last partial segment, and the writer thread
-            # (a daemon) could be torn down in the middle of a write ("terminate called without an active
-            # exception", exit status 134). Holds the checkpointer, the hooks and the iteration in progress, never
-            # the wrapper itself.
+            # close() at interpreter exit or when collected unclosed: else a script without close() loses its last
+            # partial segment, and the daemon writer may die mid-write (exit status 134). Never holds the wrapper.
             self._release = weakref.finalize(self, release, self._checkpointer, layerwise, self._iteration)
             self._release.atexit = False  # _close_at_exit runs it, before h5py's own exit handler
             OPEN.add(self)
@@ -207,6 +211,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._coord.barrier("open run directory")
         if run_dir.has_run():
             run_dir.check_compatible(self._spec.manifest)
+            fsdp.adopt(run_dir, self._spec, self._coord, self._sharded, self._leader)
             self._loop.needs_resume = True
             return
         # A new run: the step-0 snapshot (every rank's shard) first, the manifest last: it commits the run. Every
@@ -235,11 +240,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         world = self._coord.world_size
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
         rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
-                                 rank=self._coord.rank if world > 1 else None)
-        self.model.load_state_dict(rec.model)
-        self.inner.load_state_dict(rec.optimizer)
+                                 rank=self._coord.rank if world > 1 else None,
+                                 shard=(self._coord.rank, world) if self._sharded is not None else None)
+        if self._sharded is not None:
+            fsdp.load_state(rec, self._spec, self._sharded, self.inner)
+        else:
+            self.model.load_state_dict(rec.model)
+            self.inner.load_state_dict(rec.optimizer)
         apply_end_groups(self.inner.param_groups, rec.end_groups)
-        self.compressor.load_state_dict(compressor_state(rec, self.compressor, world, self._spec.params))
+        self.compressor.load_state_dict(
+            compressor_state(rec, self.compressor, world, self._spec.params) if self._sharded is None
+            else fsdp.compressor_state(rec, self._spec, self._sharded, rec.world_size))
         for s in rec.report.skipped:
             log.warning("lowdiff: resume skipped %s", s)
         self._coord.barrier("recovered")
@@ -255,6 +266,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
         self._tracker.restore(rec.data, rec.step, end_known=rec.end_groups is not None)
         rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
+        if fsdp.changes_layout(self._run_dir.read_manifest(), rec.world_size, self._sharded):
+            data = {**self._tracker.state(AT_STEP)[0], **self._tracker.state(AT_END)[0]}
+            fsdp.rebase(self._stager.snapshot(rec.step, data), self._run_dir, self._coord, self.inner.param_groups,
+                        resolve_codec(self.config.log.codec, self.config.compressor.name))
         log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
         return rec.step
 
@@ -274,11 +289,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     def stats(self) -> CheckpointStats | None:
         """A reading of the checkpointer's counters: steps and bytes committed, time written and blocked, queue
         depth, the snapshot interval and batch size in force, the tuner's decisions (None with
-        ``enabled: false``).
-
-        >>> st = opt.stats                                              # doctest: +SKIP
-        >>> st.durable_step, st.steps_committed, st.blocked_s          # doctest: +SKIP
-        """
+        ``enabled: false``): ``opt.stats.durable_step``, ``.steps_committed``, ``.blocked_s``."""
         if self._checkpointer is None:
             return None
         lw = self._stager.layerwise
@@ -331,7 +342,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         grads: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for name, p in self._spec.optimized:
-                g = p.grad
+                g = fsdp.local(p.grad)
                 if g is None:
                     continue
                 if g.is_sparse:
@@ -344,7 +355,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 else:
                     payload, decoded = self.compressor.compress_decode(name, g)
                     if not same_tensor(decoded, g):
-                        p.grad = decoded
+                        fsdp.set_grad(p, g, decoded)
                 if name in self._owned_log:
                     grads[name] = payload
         ckpt = self._checkpointer
@@ -421,8 +432,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         assert self._checkpointer is not None
         self._loop.blocked_reported = self._checkpointer.report_backpressure(
             step, self._loop.blocked_reported, self.config.log.backpressure_warn_s)
-
-    # -- helpers -------------------------------------------------------------------------------------------------
 
     def _make_shadow(self, state: SnapshotState) -> ShadowReplica | None:
         if not self.config.snapshot.shadow:

@@ -20,17 +20,18 @@ log = logging.getLogger(__name__)
 RESUME_AT = ("latest", "snapshot")
 
 
-def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | None, rank: int | None) -> Recovered:
+def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | None, rank: int | None,
+                       shard: tuple[int, int] | None = None) -> Recovered:
     """The state ``resume(at=...)`` continues from: the latest durable step, or the newest snapshot step whose
     compressor memory is exact (``at="snapshot"``: with Top-k or PowerSGD the only bit-exact continuation after a
     crash between snapshots; the loop redoes the steps after it)."""
     if at not in RESUME_AT:
         raise ValueError(f"resume(at={at!r}): expected one of {', '.join(RESUME_AT)}")
     if at == "latest":
-        return recover(run_dir, device=device, workers=workers, rank=rank)
+        return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard)
     for step in sorted(list_snapshots(run_dir), reverse=True):
         try:
-            rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank)
+            rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank, shard=shard)
         except StepNotAvailableError:
             continue
         if rec.compressor_state_exact:
@@ -38,7 +39,7 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
         log.info("lowdiff: the snapshot at step %d holds no exact compressor memory (a compacted or damaged one); "
                  "trying an older one", step)
     log.warning("lowdiff: %s holds no snapshot with exact compressor memory; resuming at the latest step", run_dir)
-    return recover(run_dir, device=device, workers=workers, rank=rank)
+    return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard)
 
 
 def compressor_state(rec: Recovered, compressor: Compressor, world_size: int,

@@ -24,6 +24,7 @@ import torch
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.compressors.base import Compressor
+from lowdiff.fsdp import local as local_tensor
 from lowdiff.model_spec import ModelSpec
 from lowdiff.named_state import to_named
 from lowdiff.staging import HostCopier, HostPool, Staged
@@ -89,7 +90,7 @@ class Stager:
         live: list[bool] = []
         staged: dict[str, dict[str, torch.Tensor]] = {n: {} for n in grads}
         for n, payload in grads.items():
-            grad = self.spec.params[n].grad
+            grad = local_tensor(self.spec.params[n].grad)
             for f, t in payload.items():
                 hit = captured.get(n)
                 if hit is not None and hit[0] is t:
@@ -131,9 +132,10 @@ class Stager:
         sd = self.optimizer.state_dict()
         order = [n for n, _ in self.spec.optimized]
         owned = self.owned
-        opt_state = {n: st for n, st in to_named(sd["state"], order).items() if n in owned}
+        opt_state = {n: {k: local_tensor(v) for k, v in st.items()} for n, st in to_named(sd["state"], order).items()
+                     if n in owned}
         groups = [encode_group(g) | {"params": names}
-                  for names, g in zip(self.spec.manifest.param_groups, self.optimizer.param_groups)]
+                  for names, g in zip(self.spec.stored_manifest.param_groups, self.optimizer.param_groups)]
         comp = self.compressor.state_dict()
         local = self.compressor.rank_local_keys if self.per_rank else frozenset()
         # Under DDP every rank's error-feedback residuals differ: each rank keeps all of its own (FORMAT.md §4);
@@ -142,7 +144,7 @@ class Stager:
         mine = {n: {k: v for k, v in st.items() if k in local} for n, st in comp.items()}
         state = SnapshotState(
             step=step,
-            params={n: p.detach() for n, p in self.spec.params.items() if n in owned},
+            params={n: local_tensor(p.detach()) for n, p in self.spec.params.items() if n in owned},
             buffers={s.name: s.get().detach() for s in self.spec.buffers} if self.leader else {},
             optimizer_state=opt_state,
             param_groups=groups,

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError, StepNotAvailableError
+from lowdiff.errors import (
+    CorruptFileError,
+    FileVanishedError,
+    LowDiffError,
+    StepNotAvailableError,
+    UnsupportedError,
+)
 from lowdiff.named_state import to_indexed
 from lowdiff.recovery import procs
 from lowdiff.recovery.optimizers import check_manifest_optimizer, resolve_optimizer_class
@@ -23,6 +29,7 @@ from lowdiff.recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
+from lowdiff.storage import layout
 from lowdiff.storage.format import MANIFEST, decode_value
 from lowdiff.storage.log_reader import Chain, candidates_for
 from lowdiff.storage.manifest import Manifest, read_manifest
@@ -83,11 +90,16 @@ class Recovered:
     rank_compressor_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Rank ``rank``'s own compressor memory (error-feedback residuals) when ``recover(..., rank=...)`` was asked
     for it and ``step`` is a snapshot step of a sharded run (FORMAT.md section 4); else empty."""
+    shard: tuple[int, int] | None = None
+    """(rank, ranks) when ``recover(..., shard=...)`` replayed only that rank's shards of a fully_shard run: then
+    ``model``, ``optimizer`` and ``compressor_state`` hold them under their stored names (``NAME#I-of-N``,
+    FORMAT.md section 9) and the buffers; None: the whole model under its own names."""
 
 
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
-            rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS) -> Recovered:
+            rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS,
+            shard: tuple[int, int] | None = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
     ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
@@ -97,7 +109,9 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
     optimizers, devices other than the CPU, and a process running other threads replay in one process
     (``report.mode`` says why). ``options``: replay's block sizes and test seam (:class:`ReplayOptions`; the
-    defaults are what users want, and no option changes a recovered bit).
+    defaults are what users want, and no option changes a recovered bit). ``shard=(rank, ranks)``: a fully_shard
+    run whose chain was written by ``ranks`` ranks replays and returns only ``rank``'s shards (``Recovered.shard``
+    says whether it did); ``opt.resume()`` on the same number of ranks asks for its own.
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
@@ -119,10 +133,18 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
                 raise CorruptFileError(f"{root}: no undamaged snapshot and log reach step "
                                        f"{'the latest' if step is None else step}: {'; '.join(skipped)}") from e
             raise
+        chains = [c for c in chains if _one_layout(manifest, c, target)]
+        if not chains:
+            raise StepNotAvailableError(f"{root}: step {target} is reached only by a chain that changes its sharded "
+                                        "layout (fully_shard on another number of ranks) without a snapshot between")
         chain = chains[0]
+        stored = layout.for_files(manifest, chain.snapshot)
+        own = None
+        if shard is not None and stored.layout == shard[1] > 1:
+            own = [layout.shard_name(p.name, shard[0], shard[1]) for p in manifest.params]
         try:
-            result, nworkers, mode = _replay_chain(manifest, chain, target, workers, device, optimizer_class, progress,
-                                                   options)
+            result, nworkers, mode = _replay_chain(stored, chain, target, workers, device, optimizer_class, progress,
+                                                   options, own)
         except FileVanishedError as e:
             # Retention (a live trainer's, or compaction) deleted a file after it was listed: list again.
             relists += 1
@@ -151,7 +173,15 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
         report = RecoveryReport(step=target, snapshot_step=chain.snapshot_step, steps_replayed=result.steps,
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped)
+        if own is not None:
+            return _assemble_own(stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
         return _assemble(manifest, result, target, chain, report, device, rank)
+
+
+def _one_layout(manifest: Manifest, chain: Chain, target: int) -> bool:
+    """A chain replays in one layout: a resume on another number of fully_shard ranks starts a new snapshot."""
+    want = layout.layout_of(manifest, chain.snapshot)
+    return all(layout.layout_of(manifest, s.files) == want for s in chain.segments_to(target))
 
 
 MAX_RELISTS = 20
@@ -162,6 +192,9 @@ def check_optimizer(root: Path, manifest: Manifest, optimizer_class: type | None
     """The run's optimizer class, resolved and checked against the manifest's defaults (a refusal names the
     manifest: it is the file at fault, and no other file can stand in for it)."""
     where = root / MANIFEST
+    if manifest.sharding is not None and manifest.optimizer_class not in ELEMENTWISE_OPTIMIZERS:
+        raise UnsupportedError(f"{where}: a fully_shard run with {manifest.optimizer_class[:80]}: each shard replays "
+                               "on its own, which is exact only for element-wise optimizers (FORMAT.md section 9)")
     cls = resolve_optimizer_class(manifest.optimizer_class, optimizer_class, where=str(where))
     if optimizer_class is None:
         check_manifest_optimizer(manifest, cls, where)
@@ -170,7 +203,8 @@ def check_optimizer(root: Path, manifest: Manifest, optimizer_class: type | None
 
 def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | None, device: str,
                   optimizer_class: type | None, progress: Any,
-                  options: ReplayOptions = DEFAULT_OPTIONS) -> tuple[PartitionResult, int, str]:
+                  options: ReplayOptions = DEFAULT_OPTIONS, own: list[str] | None = None
+                  ) -> tuple[PartitionResult, int, str]:
     segments = chain.segments_to(target)
     nsteps = target - chain.snapshot_step
     names = manifest.optimized_params
@@ -188,6 +222,9 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
         unsafe = procs.fork_unsafe_reason()
         if unsafe is not None:
             mode, workers = f"sequential ({unsafe})", 1
+    if own is not None:  # one rank's shards of a fully_shard run (its resume: one process per rank already)
+        return replay_partition(manifest, chain.snapshot, segments, target, own, True, optimizer_class, device,
+                                progress, options=options), 1, "sequential (this rank's shards)"
     if workers == 1 or nsteps == 0:
         return replay_partition(manifest, chain.snapshot, segments, target, None, True, optimizer_class,
                                 device, progress, options=options), 1, mode
@@ -205,29 +242,52 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     return result, result.workers, "parallel"
 
 
+def _assemble_own(stored: Manifest, own: list[str], shard: tuple[int, int], r: PartitionResult, target: int,
+                  chain: Chain, report: RecoveryReport, device: str) -> Recovered:
+    """One rank's shards, under their stored names (``recover(..., shard=...)``)."""
+    mine = set(own)
+    model: OrderedDict[str, torch.Tensor] = OrderedDict(r.buffers)
+    model.update((n, r.params[n]) for n in own if n in r.params)
+    optimizer = to_indexed({n: st for n, st in r.optimizer_state.items() if n in mine},
+                           [[n for n in g if n in mine] for g in stored.param_groups], r.groups)
+    exact = target == chain.snapshot_step and bool(r.snapshot_extra.get("compressor_state_exact", True))
+    comp = {n: st if exact else {"q": st["q"]} for n, st in r.compressor_state.items()
+            if n in mine and (exact or "q" in st)}
+    comp.update({n: {"q": q} for n, q in r.last_q.items() if n in mine and not exact})
+    end = None if r.end_groups is None else [{k: v for k, v in decode_value(g, device).items() if k != "params"}
+                                             for g in r.end_groups]
+    return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
+                     compressor_state_exact=exact, report=report, rng=r.rng, data=r.data, end_groups=end,
+                     world_size=len(chain.snapshot.paths), shard=shard)
+
+
 def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain, report: RecoveryReport,
               device: str = "cpu", rank: int | None = None) -> Recovered:
+    count = layout.layout_of(manifest, chain.snapshot)
+    stored = layout.view(manifest, count)
+    params, opt_state, comp_state = layout.unshard(manifest, count, r.params, r.optimizer_state,
+                                                   r.compressor_state)
     tensors: dict[str, torch.Tensor] = {}
     tensors.update(r.buffers)
-    tensors.update(r.params)
+    tensors.update(params)
     model: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, canonical in manifest.state_dict_keys:
         if canonical not in tensors:
             raise CorruptFileError(f"{chain.snapshot}: no value for {canonical!r}")
         model[key] = tensors[canonical]
-    optimizer = to_indexed({n: r.optimizer_state[n] for n in manifest.optimized_params if n in r.optimizer_state},
+    optimizer = to_indexed({n: opt_state[n] for n in manifest.optimized_params if n in opt_state},
                            manifest.param_groups, r.groups)
     # A compacted snapshot was itself rebuilt from the log, so its compressor memory is partial too.
     exact = target == chain.snapshot_step and bool(r.snapshot_extra.get("compressor_state_exact", True))
     if exact:
-        comp = r.compressor_state
+        comp = comp_state
     else:
-        comp = {n: {"q": st["q"]} for n, st in r.compressor_state.items() if "q" in st}
+        comp = {n: {"q": st["q"]} for n, st in comp_state.items() if "q" in st}
         comp.update({n: {"q": q} for n, q in r.last_q.items()})
     rank_state: dict[str, dict[str, torch.Tensor]] = {}
     if exact and rank is not None:
         try:
-            rank_state = read_rank_state(chain.snapshot, manifest, rank)
+            rank_state = read_rank_state(chain.snapshot, stored, rank)
         except CorruptFileError as e:  # only compression's memory is lost: parameters and optimizer are exact
             log.warning("recovery: rank %d's compressor memory in %s is unreadable (%s); it restarts at zero",
                         rank, chain.snapshot, e)

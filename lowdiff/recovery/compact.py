@@ -10,10 +10,11 @@ from typing import Any
 from lowdiff.config import resolve_codec
 from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
-from lowdiff.storage.format import encode_value, list_snapshots
+from lowdiff.storage import layout
+from lowdiff.storage.format import Shard, encode_value, list_snapshots
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
-from lowdiff.storage.snapshot import SnapshotState
+from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,13 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
         if rec.step not in list_snapshots(root):
             codec = codec or resolve_codec(str(manifest.config.get("log", {}).get("codec", "auto")),
                                            str(manifest.config.get("compressor", {}).get("name", "none")))
-            run.write_snapshot(snapshot_from_recovered(manifest, rec), codec)
+            state = snapshot_from_recovered(manifest, rec)
+            count = rec.world_size if rec.world_size in layout.layouts(manifest.sharding) else 1
+            if count == 1:
+                run.write_snapshot(state, codec)
+            else:  # a fully_shard run: the snapshot in its chain's layout, one file per rank (FORMAT.md section 9)
+                for i, part in enumerate(layout.split(manifest, state, count)):
+                    write_snapshot(root, part, codec, Shard(i, count), run_id=manifest.run_id)
             wrote = True
         removed = run.apply_retention(RetentionPolicy(keep)) if keep else []
         return CompactResult(step=rec.step, wrote_snapshot=wrote, removed=removed)

@@ -10,6 +10,7 @@ from typing import Any
 
 from lowdiff.errors import LowDiffError
 from lowdiff.storage.format import FileSet, list_segments, list_snapshots
+from lowdiff.storage.layout import for_files, layouts
 from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.run_dir import DECISIONS_FILE
@@ -46,6 +47,8 @@ class RunInfo:
             f"  model: {len(m.params)} parameters ({sum(p.numel for p in m.params):,} elements), "
             f"{len(m.buffers)} buffers",
             f"  optimizer: {m.optimizer_class}, {len(m.param_groups)} group(s)",
+            *([f"  sharded (fully_shard) on {', '.join(str(n) for n in sorted(layouts(m.sharding)))} ranks"]
+              if m.sharding else []),
             f"  compressor: {_compressor(str(comp.get('name')), comp)}; codec {cfg.get('log', {}).get('codec')}",
             f"  snapshots: {len(self.snapshot_steps)} at steps {_ranges(self.snapshot_steps)} "
             f"({self.snapshot_bytes / 1e6:.2f} MB)",
@@ -99,7 +102,7 @@ def _newest_compressor(manifest: Manifest, segs: list[tuple[int, int, FileSet]])
     """What the newest segment that opens says it was compressed with (its header only; no payload is read)."""
     for first, last, files in reversed(segs):
         try:
-            reader = SegmentReader(files, manifest, first, last)
+            reader = SegmentReader(files, for_files(manifest, files), first, last)
         except LowDiffError:
             continue
         try:

@@ -19,6 +19,7 @@ from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError
 from lowdiff.recovery.api import check_optimizer
 from lowdiff.recovery.optimizers import check_snapshot_state
 from lowdiff.storage.format import DTYPES, list_segments, list_snapshots
+from lowdiff.storage.layout import for_files
 from lowdiff.storage.log_reader import chains
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.segment import SegmentReader
@@ -74,11 +75,12 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
     for _step, files in list_snapshots(root).items():
         report.files += 1
         try:
-            snap = read_snapshot(files, manifest)
+            stored = for_files(manifest, files)  # a fully_shard run's shards (format 2.3)
+            snap = read_snapshot(files, stored)
             if cls is not None:
-                check_snapshot_state(manifest, cls, snap)
+                check_snapshot_state(stored, cls, snap)
             for rank in range(len(files.paths) if len(files.paths) > 1 else 0):
-                read_rank_state(files, manifest, rank)  # each rank's own compressor memory (FORMAT.md section 4)
+                read_rank_state(files, stored, rank)  # each rank's own compressor memory (FORMAT.md section 4)
         except FileVanishedError as e:
             report.vanished.append(str(e))
         except LowDiffError as e:
@@ -94,7 +96,7 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
                                    f"{first} ({files.name})")
         prev_last = last
         try:
-            _check_segment(manifest, files, first, last)
+            _check_segment(for_files(manifest, files), files, first, last)
         except FileVanishedError as e:
             report.vanished.append(str(e))
         except LowDiffError as e:

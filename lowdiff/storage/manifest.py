@@ -21,6 +21,7 @@ from typing import Any
 from lowdiff.errors import CorruptFileError, FileVanishedError, ModelMismatchError, RunDirNotFoundError
 from lowdiff.storage.atomic import write_json_atomic
 from lowdiff.storage.format import DTYPES, FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from lowdiff.storage.layout import SEP, check_sharding
 from lowdiff.storage.safe_io import parse_json, read_bounded
 from lowdiff.storage.validate import check_run_id, decoded_defaults
 
@@ -88,6 +89,10 @@ class Manifest:
     run_id: str | None = None
     """Names the run in every file of it (format 2.1); None in a run written before run ids existed."""
     format_minor: int = FORMAT_MINOR
+    sharding: dict[str, Any] | None = None
+    """fully_shard (FSDP2) runs: every mesh size's shards of every parameter (format 2.3, lowdiff.storage.layout)."""
+    layout: int = 1
+    """Shards per parameter of the tensors this manifest lists (1: the model's own; >1: a layout's view)."""
 
     def param(self, name: str) -> TensorSpec:
         return self._params_by_name[name]
@@ -136,6 +141,8 @@ class Manifest:
         }
         if self.run_id is not None:
             body["run_id"] = self.run_id
+        if self.sharding is not None:
+            body["sharding"] = self.sharding
         return body | {"crc32": _crc(body)}
 
 
@@ -219,10 +226,15 @@ def _parse(raw: bytes, path: Path) -> Manifest:
         raise CorruptFileError(f"{path}: config must be an object")
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
         raise CorruptFileError(f"{path}: invalid created_unix_s {str(created)[:40]!r}")
+    sharding = doc.get("sharding")
+    if sharding is not None:
+        sharding = check_sharding(sharding, {p.name: p.shape for p in params}, path)
+        if any(SEP in n for n in names) or any(not p.shape for p in params):
+            raise CorruptFileError(f"{path}: a sharded run's parameters have names without {SEP!r} and dimensions")
     manifest = Manifest(params=params, buffers=buffers, state_dict_keys=[(k, c) for k, c in keys],
                         optimizer_class=cls, optimizer_defaults=dict(opt["defaults"]), param_groups=groups,
                         config=config, created_unix_s=float(created),
-                        run_id=check_run_id(doc.get("run_id"), str(path)), format_minor=minor)
+                        run_id=check_run_id(doc.get("run_id"), str(path)), format_minor=minor, sharding=sharding)
     manifest.defaults_decoded  # noqa: B018  (checks every default now: a bad one is the manifest's fault)
     limit = _memory_bytes()
     if limit and manifest.state_nbytes > limit:

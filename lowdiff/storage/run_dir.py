@@ -27,7 +27,7 @@ from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
-from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond
+from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond, parse_snapshot_name
 from lowdiff.storage.lock import WriterLock
 from lowdiff.storage.manifest import (
     Manifest,
@@ -140,7 +140,19 @@ class RunDir:
     def quarantine_beyond(self, step: int) -> list[Path]:
         """Move files holding steps after ``step`` (damaged or unreachable) into ``quarantine/``, so new segments
         never collide with them. Nothing is deleted. Returns the new paths."""
-        moved = files_beyond(self.path, step)
+        return self._quarantine(files_beyond(self.path, step), f"beyond the resumed step {step}")
+
+    def quarantine_snapshot_sets(self, step: int, keep_count: int) -> list[Path]:
+        """Move the files of the snapshot at ``step`` written by another number of ranks than ``keep_count`` into
+        ``quarantine/`` (a resume on another number of fully_shard ranks rewrote that step in its own layout)."""
+        moved = []
+        for p in sorted((self.path / SNAPSHOT_DIR).iterdir()):
+            parsed = parse_snapshot_name(p.name)
+            if parsed is not None and parsed[0] == step and parsed[1].count != keep_count:
+                moved.append(p)
+        return self._quarantine(moved, f"rewritten at step {step} in the layout of {keep_count} rank(s)")
+
+    def _quarantine(self, moved: list[Path], why: str) -> list[Path]:
         if not moved:
             return []
         qdir = self.path / QUARANTINE_DIR
@@ -150,7 +162,7 @@ class RunDir:
             target = qdir / f"{p.parent.name}-{p.name}"
             shutil.move(str(p), target)
             out.append(target)
-            log.warning("lowdiff: moved %s to %s (beyond the resumed step %d)", p, target, step)
+            log.warning("lowdiff: moved %s to %s (%s)", p, target, why)
         for d in (qdir, self.path / SNAPSHOT_DIR, self.path / LOG_DIR):
             fsync_dir(d)
         return out
