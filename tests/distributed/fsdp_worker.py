@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of fully_shard, same loop")
     ap.add_argument("--plain", action="store_true", help="neither: the plain model (one rank)")
     ap.add_argument("--gpt", action="store_true", help="examples/tinygpt.py (tied embedding and head), sharded")
+    ap.add_argument("--persistence", default="thread", help="log.persistence (thread or process)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
@@ -129,7 +130,7 @@ def main() -> None:
     cfg = {
         "run_dir": args.run_dir,
         "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
-        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3},
+        "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3, "persistence": args.persistence},
     }
     if args.refuse:
         for i, what in enumerate(args.refuse.split(",")):

@@ -120,6 +120,22 @@ def test_both_ranks_killed_then_resumed_on_two_ranks_exactly(tmp_path: Path) -> 
     assert_continues(tmp_path / "a.pt", tmp_path / "b2.pt", start + 1, 11)
 
 
+def test_persistence_process_per_rank_keeps_every_returned_step(tmp_path: Path) -> None:
+    """log.persistence: process under fully_shard (one persistence process per rank): both trainers exit abruptly
+    at the start of step 8, each rank's persistence process commits its shards of steps 1-7, and the 2-rank resume
+    starts at 7 and continues exactly."""
+    torchrun(2, str(tmp_path / "a"), "none", "11", str(tmp_path / "a.pt"))
+    proc = torchrun(2, str(tmp_path / "b"), "none", "11", str(tmp_path / "b1.pt"), "--die-at", "8",
+                    "--persistence", "process", check=False)
+    assert proc.returncode != 0
+    out = torchrun(2, str(tmp_path / "b"), "none", "11", str(tmp_path / "b2.pt"), "--resume", "--persistence",
+                   "process")
+    assert "START 7" in out.stdout
+    assert_continues(tmp_path / "a.pt", tmp_path / "b2.pt", 8, 11)
+    for step in (7, 11):
+        assert lowdiff.recover(tmp_path / "b", step=step).step == step
+
+
 @pytest.mark.parametrize("compressor", ["topk", "powersgd"])
 def test_resume_at_snapshot_keeps_each_shards_residual(tmp_path: Path, compressor: str) -> None:
     """Error feedback is per shard: a 2-rank run stopped at snapshot step 10 and resumed on 2 ranks continues bit for
