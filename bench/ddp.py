@@ -7,6 +7,9 @@ hits both alike; the ratio is of medians of per-round median step times.
 
     python bench/ddp.py             # bench/results/ddp.json + docs/measurements/ddp.md
     python bench/ddp.py --smoke     # seconds
+
+bench/fsdp.py runs this same benchmark with the model under FSDP2's ``fully_shard`` instead of DDP
+(:data:`VARIANTS`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,53 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 COMPRESSORS = ("topk", "powersgd", "none")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How the model is parallelized, and what the page says about it."""
+
+    script: str
+    title: str
+    bytes_note: str
+    worlds: tuple[int, ...]
+
+
+VARIANTS = {
+    "ddp": Variant(
+        "ddp", "DDP benchmark (gloo on CPU)",
+        "`max/fair`: the busiest rank's bytes over 1/N of what one writer would write for the same job. "
+        "`total/N=1`: all ranks' bytes over the 1-rank run's (PowerSGD's payload does not grow with N; "
+        "Top-k's coalesced union grows with N when ranks pick different indices; RNG state is per rank).",
+        (1, 2, 4)),
+    "fsdp": Variant(
+        "fsdp", "FSDP2 (fully_shard) benchmark (gloo on CPU)",
+        "Each rank logs the payload of its own shards. `max/fair`: the busiest rank's bytes over 1/N of all "
+        "ranks' bytes. `total/N=1`: all ranks' bytes over the 1-rank run's (Top-k keeps ratio x rows of each "
+        "shard, so about the same total; PowerSGD's factors are per shard, so the total grows with N; RNG state "
+        "is per rank).",
+        (1, 2)),
+}
+
+
+def parallelize(model, parallel: str):  # type: ignore[no-untyped-def]
+    """The module the loop calls: DDP around the model, or the model with each block and the root fully_shard-ed."""
+    import torch
+
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+    return torch.nn.parallel.DistributedDataParallel(model)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -49,9 +93,9 @@ def worker(args: argparse.Namespace) -> None:
             torch.manual_seed(0)
             model = GPT(vocab_size=256, n_layer=args.layers, n_head=4, d_model=args.d_model, block_size=64,
                         dropout=0.0)
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            net = parallelize(model, args.parallel)
             run_dir = Path(args.work) / f"{mode}-{rnd}"
-            opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=3e-4), ddp, {
+            opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=3e-4), net, {
                 "run_dir": str(run_dir), "enabled": mode == "on",
                 "compressor": {"name": args.compressor, "ratio": 0.01, "rank": 4},
                 "snapshot": {"every_steps": 1000}, "log": {"batch_steps": 8, "codec": "none"},
@@ -61,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
                 x, y = batches[step % len(batches)]
                 dist.barrier()
                 t0 = time.perf_counter()
-                _, loss = ddp(x, y)
+                _, loss = net(x, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -84,15 +128,17 @@ def launch(nproc: int, out: Path, work: Path, compressor: str, a: argparse.Names
            "127.0.0.1", "--master_port", str(port), __file__, "--worker", "--out", str(out), "--work", str(work),
            "--compressor", compressor, "--steps", str(a.steps), "--warmup", str(a.warmup), "--rounds",
            str(a.rounds if overhead else 1), "--layers", str(a.layers), "--d-model", str(a.d_model),
-           "--batch", str(a.batch)] + (["--overhead"] if overhead else [])
+           "--batch", str(a.batch), "--parallel", a.parallel] + (["--overhead"] if overhead else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, timeout=1800, env=env, capture_output=True)
     return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(parallel: str = "ddp", doc: str | None = __doc__) -> None:
+    variant = VARIANTS[parallel]
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--parallel", default=parallel, choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--out", default="")
     ap.add_argument("--work", default="")
     ap.add_argument("--compressor", default="topk")
@@ -114,14 +160,14 @@ def main() -> None:
         return
     if a.smoke:
         a.steps, a.warmup, a.rounds, a.layers, a.d_model, a.batch = 4, 1, 1, 1, 64, 2
-    tmp = Path(tempfile.mkdtemp(prefix="lowdiff-ddp-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix=f"lowdiff-{variant.script}-bench-"))
     results: dict = {"setup": vars(a) | {"cpus": os.cpu_count()}, "loadavg_start": os.getloadavg(), "bytes": [],
                      "overhead": []}
     try:
         comps = [c for c in a.compressors.split(",") if c]
         for comp in () if a.overhead_only else comps:
             per_world = {}
-            for world in ((1, 2) if a.smoke else (1, 2, 4)):
+            for world in (variant.worlds[:2] if a.smoke else variant.worlds):
                 ranks = launch(world, tmp / f"b-{comp}-{world}", tmp / f"w-{comp}-{world}", comp, a, False)
                 per_rank = [r["rounds"][0]["log_bytes"] / a.steps for r in ranks]
                 per_world[world] = per_rank
@@ -147,13 +193,10 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     results["loadavg_end"] = os.getloadavg()
-    lines = ["# DDP benchmark (gloo on CPU)", "",
-             f"`python bench/ddp.py{' --smoke' if a.smoke else ''}`: tinygpt n_layer={a.layers} d_model={a.d_model}, "
-             f"{a.steps} steps ({a.warmup} warm-up), Top-k 1 %, PowerSGD rank 4, codec none.", "",
-             "## Bytes written per step, per rank", "",
-             "`max/fair`: the busiest rank's bytes over 1/N of what one writer would write for the same job. "
-             "`total/N=1`: all ranks' bytes over the 1-rank run's (PowerSGD's payload does not grow with N; "
-             "Top-k's coalesced union grows with N when ranks pick different indices; RNG state is per rank).", "",
+    lines = [f"# {variant.title}", "",
+             f"`python bench/{variant.script}.py{' --smoke' if a.smoke else ''}`: tinygpt n_layer={a.layers} "
+             f"d_model={a.d_model}, {a.steps} steps ({a.warmup} warm-up), Top-k 1 %, PowerSGD rank 4, codec none.", "",
+             "## Bytes written per step, per rank", "", variant.bytes_note, "",
              "| compressor | world size | per-rank bytes/step | total bytes/step | max/fair | total/N=1 |",
              "|---|---|---|---|---|---|"]
     for r in results["bytes"]:
@@ -166,8 +209,9 @@ def main() -> None:
               "| compressor | off (s/step) | on (s/step) | ratio (median of per-round ratios) |", "|---|---|---|---|"]
     for r in results["overhead"]:
         lines.append(f"| {r['compressor']} | {r['off_step_s']:.4f} | {r['on_step_s']:.4f} | {r['ratio_median']:.4f} |")
-    out_json = Path(a.out_dir) / "ddp.json" if a.out_dir else ROOT / "bench/results/ddp.json"
-    out_md = Path(a.out_dir) / "ddp.md" if a.out_dir else ROOT / "docs/measurements/ddp.md"
+    name = variant.script
+    out_json = Path(a.out_dir) / f"{name}.json" if a.out_dir else ROOT / f"bench/results/{name}.json"
+    out_md = Path(a.out_dir) / f"{name}.md" if a.out_dir else ROOT / f"docs/measurements/{name}.md"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=1))
     out_md.write_text("\n".join(lines) + "\n")
