@@ -206,9 +206,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     def _open_run_dir(self, run_dir: RunDir) -> None:
         assert self._checkpointer is not None
+        run_dir.wait_for_persistence()  # an earlier trainer's persistence processes, still committing
         if self._leader:
             run_dir.open()
-        self._coord.barrier("open run directory")
+        self._coord.barrier("open run directory")  # no rank starts persistence processes before every rank waited
         if run_dir.has_run():
             run_dir.check_compatible(self._spec.manifest)
             fsdp.adopt(run_dir, self._spec, self._coord, self._sharded, self._leader)

@@ -31,6 +31,7 @@ import lowdiff
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.ring import Arena, RecordPacker, RingAllocator, layout, pack, skeleton
 from lowdiff.staging import Staged
+from lowdiff.storage.lock import take_persistence_lock
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState
@@ -83,9 +84,15 @@ class ProcessWriter:
         root = str(Path(lowdiff.__file__).resolve().parents[1])  # the child imports this very lowdiff
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         t0 = time.perf_counter()
-        self._proc = subprocess.Popen([sys.executable, "-m", "lowdiff.persist_child", str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL)
+        # The child inherits the lock on persist-RANK.lock and holds it until it exits: a trainer restarted on this
+        # run directory waits for it (lowdiff.storage.lock.wait_for_persistence).
+        lock_fd = take_persistence_lock(run_dir.path, run_dir.shard.index)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "lowdiff.persist_child", str(theirs.fileno())],
+                                          pass_fds=(theirs.fileno(), lock_fd), env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL)
+        finally:
+            os.close(lock_fd)
         theirs.close()
         self._conn = Connection(ours.detach())
         _send_bytes(self._conn, {

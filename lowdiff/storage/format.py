@@ -23,6 +23,7 @@ MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
 LOCK_FILE = "writer.lock"
+PERSIST_LOCK_GLOB = "persist-*.lock"  # persist-IIIII.lock: rank I's persistence process (FORMAT.md section 1)
 TMP_SUFFIX = ".tmp"
 STEP_DIGITS = 10
 

@@ -8,10 +8,12 @@ import os
 import socket
 import stat
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lowdiff.errors import CheckpointWriteError, RunLockedError
-from lowdiff.storage.format import LOCK_FILE
+from lowdiff.storage.format import LOCK_FILE, PERSIST_LOCK_GLOB
 
 # POSIX record locks belong to a process, so a second lock from the same process would succeed silently:
 # this registry refuses it.
@@ -45,7 +47,7 @@ class WriterLock:
             self._fd = -1
             self._forget()
             if e.errno not in (errno.EACCES, errno.EAGAIN):
-                raise self._error(e, "lock") from e
+                raise _error(self.path, e, "lock") from e
             raise RunLockedError(f"{run_dir} is in use by another trainer ({holder}); stop it or use another "
                                  "run_dir") from None
         try:
@@ -53,26 +55,13 @@ class WriterLock:
             os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except OSError as e:
             self.release()
-            raise self._error(e, "write") from e
+            raise _error(self.path, e, "write") from e
 
     def _open(self) -> int:
-        # Never through a symbolic link (a planted writer.lock -> ~/.bashrc would be truncated), never a FIFO.
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            return _open_lock_file(self.path)
         except OSError as e:
-            raise self._error(e, "create") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CheckpointWriteError(errno.EINVAL, f"{self.path} is not a regular file; remove it", str(self.path))
-        os.set_blocking(fd, True)
-        return fd
-
-    def _error(self, e: OSError, what: str) -> CheckpointWriteError:
-        hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota exceeded)",
-                errno.EACCES: "check the directory's permissions", errno.EROFS: "use a writable run_dir",
-                errno.ELOOP: "it is a symbolic link: remove it"}.get(e.errno or 0, "check the run directory")
-        return CheckpointWriteError(e.errno, f"cannot {what} the writer lock {self.path}: {e.strerror or e}; {hint}",
-                                    str(self.path))
+            raise _error(self.path, e, "create") from e
 
     def _forget(self) -> None:
         with _held_guard:
@@ -84,3 +73,73 @@ class WriterLock:
             os.close(self._fd)
             self._fd = -1
             self._forget()
+
+
+def _open_lock_file(path: Path) -> int:
+    # Never through a symbolic link (a planted writer.lock -> ~/.bashrc would be truncated), never a FIFO.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointWriteError(errno.EINVAL, f"{path} is not a regular file; remove it", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _error(path: Path, e: OSError, what: str) -> CheckpointWriteError:
+    hint = {errno.ENOSPC: "free disk space", errno.EDQUOT: "free disk space (quota exceeded)",
+            errno.EACCES: "check the directory's permissions", errno.EROFS: "use a writable run_dir",
+            errno.ELOOP: "it is a symbolic link: remove it"}.get(e.errno or 0, "check the run directory")
+    return CheckpointWriteError(e.errno, f"cannot {what} the lock {path}: {e.strerror or e}; {hint}", str(path))
+
+
+def take_persistence_lock(run_dir: Path, index: int) -> int:
+    """An ``flock`` on RUN_DIR/persist-IIIII.lock for rank ``index``'s persistence process (``log.persistence:
+    process``); returns its descriptor. The trainer takes it, hands the descriptor to the process it starts and
+    closes its own: the lock then lasts exactly as long as that process, however it exits (an ``flock`` belongs to
+    the open file, which the started process holds from its first instruction). :func:`wait_for_persistence` sees
+    it."""
+    path = run_dir / PERSIST_LOCK_GLOB.replace("*", f"{index:05d}")
+    try:
+        fd = _open_lock_file(path)
+    except OSError as e:
+        raise _error(path, e, "create") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
+            raise RunLockedError(f"{path} is held by a persistence process still running; wait for it to "
+                                 "exit") from None
+        raise _error(path, e, "lock") from e
+    return fd
+
+
+def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], None]) -> None:
+    """Return once no persistence process holds a RUN_DIR/persist-*.lock (a trainer calls this before it reads
+    or writes the run directory, and before it starts persistence processes of its own). ``on_wait`` is called
+    once if it has to wait; after ``timeout_s`` it raises :class:`RunLockedError`."""
+    deadline = None
+    for path in sorted(run_dir.glob(PERSIST_LOCK_GLOB)):
+        try:
+            fd = _open_lock_file(path)
+        except OSError as e:
+            raise _error(path, e, "open") from e
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
+                        raise _error(path, e, "test") from e
+                if deadline is None:
+                    deadline = time.monotonic() + timeout_s
+                    on_wait()
+                elif time.monotonic() > deadline:
+                    raise RunLockedError(f"{run_dir}: a persistence process of an earlier trainer is still "
+                                         f"committing after {timeout_s:.0f} s ({path.name} is locked); wait for it "
+                                         "(python -m lowdiff.persist_child) to exit, or stop it")
+                time.sleep(0.02)
+        finally:
+            os.close(fd)

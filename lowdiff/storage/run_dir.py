@@ -28,7 +28,7 @@ from typing import Any
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond, parse_snapshot_name
-from lowdiff.storage.lock import WriterLock
+from lowdiff.storage.lock import WriterLock, wait_for_persistence
 from lowdiff.storage.manifest import (
     Manifest,
     check_compatible,
@@ -44,6 +44,8 @@ from lowdiff.storage.snapshot import SnapshotState, write_snapshot
 log = logging.getLogger(__name__)
 
 DECISIONS_FILE = "tuner.json"
+PERSISTENCE_WAIT_S = 300.0
+"""How long a trainer waits for an earlier trainer's persistence processes to finish committing."""
 """Run-directory file holding every tuner decision of the run (a JSON object with a ``decisions`` list)."""
 QUARANTINE_DIR = "quarantine"
 
@@ -90,6 +92,13 @@ class RunDir:
         removed = clean_stale_tmp(self.path)
         if removed:
             log.info("lowdiff: removed %d uncommitted file(s) left by an earlier crash", len(removed))
+
+    def wait_for_persistence(self, timeout_s: float = PERSISTENCE_WAIT_S) -> None:
+        """Wait until no persistence process of an earlier trainer is still committing here (every rank, before
+        :meth:`open` and before any rank starts persistence processes of its own): a resume then sees every step
+        they were handed, on every rank's shard."""
+        wait_for_persistence(self.path, timeout_s, lambda: log.warning(
+            "lowdiff: %s: waiting for the persistence process of an earlier trainer to finish committing", self.path))
 
     def release(self) -> None:
         if self._lock is not None:

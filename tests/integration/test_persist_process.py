@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from lowdiff_harness import Scenario, assert_state_equal, train_run
+from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
 import lowdiff.testing
@@ -58,9 +59,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _run_and_signal(run_dir: Path, kill_after: int, sig: int) -> int:
+def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True) -> int:
     """Start the trainer, send ``sig`` to it alone once it has reported step ``kill_after``, wait for its
-    persistence process to finish; returns the last step the trainer reported as returned from opt.step()."""
+    persistence process to finish (unless ``wait`` is false); returns the last step the trainer reported as
+    returned from opt.step()."""
     proc = subprocess.Popen([sys.executable, str(CHILD), str(run_dir), json.dumps(SCENARIO.to_dict()), str(STEPS)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -78,7 +80,7 @@ def _run_and_signal(run_dir: Path, kill_after: int, sig: int) -> int:
         proc.wait(timeout=30)
         assert proc.returncode == -sig
         deadline = time.monotonic() + 60
-        while not all(_gone(p) for p in helpers):
+        while wait and not all(_gone(p) for p in helpers):
             assert time.monotonic() < deadline, "the persistence process did not finish"
             time.sleep(0.02)
         return step
@@ -101,6 +103,23 @@ def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: in
     assert returned <= rec.step <= returned + 1, note
     assert rec.report.skipped == [], note
     assert_state_equal(*reference.refs[rec.step], rec)
+
+
+def test_restarted_trainer_waits_for_the_dead_trainers_persistence_process(tmp_path: Path, reference,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer restarted at once on the run directory (no waiting by the user) while the killed trainer's
+    persistence process is still committing, slowly: wrap() waits for it, so resume() sees every returned step."""
+    run_dir = tmp_path / "run"
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=0.5):  # inherited by the trainer's child
+        returned = _run_and_signal(run_dir, 17, signal.SIGKILL, wait=False)
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        t = start(SCENARIO, run_dir)  # wrap() and resume() at once
+    assert "waiting for the persistence process of an earlier trainer" in caplog.text
+    (k,) = t.refs  # the step resume() returned, and the live state it restored
+    assert returned <= k <= returned + 1, f"killed after step {returned} returned; resumed at {k}"
+    model_sd, optim_sd = t.refs[k]
+    assert_state_equal(*reference.refs[k], SimpleNamespace(model=model_sd, optimizer=optim_sd))
+    t.opt.close()
 
 
 @pytest.mark.parametrize("persistence", ["process", "thread"])
