@@ -8,9 +8,10 @@ Released records free their ring slots (a message back); every commit and failur
 
 When the training process dies (the socket reaches end of file, or this process is re-parented), it commits every
 record it received, the one whose iteration had not ended included when nothing tracked changes at the end of an
-iteration, and exits. It takes the run directory's writer lock for that, so a trainer restarted meanwhile waits for
-it or is refused, never races it. SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole
-process group reaches the trainer, and this process finishes the trainer's work after it.
+iteration, and exits. It holds RUN_DIR/persist-RANK.lock for its whole life (its trainer took it and handed it
+over), so a trainer restarted meanwhile waits for it, never races it; rank 0's also takes the writer lock to commit.
+SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group reaches the trainer,
+and this process finishes the trainer's work after it.
 """
 
 from __future__ import annotations

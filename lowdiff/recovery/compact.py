@@ -36,6 +36,7 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     root = Path(run_dir)
     manifest = read_manifest(root)
     run = RunDir(root)
+    run.wait_for_persistence()  # a dead trainer's persistence processes, still committing
     run.open()  # the writer lock: refuses to run beside a live trainer
     try:
         run.run_id = manifest.run_id
