@@ -27,9 +27,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 150.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+def torchrun(nproc: int, *args: str, timeout: float = 150.0, check: bool = True,
+             worker: Path = WORKER) -> subprocess.CompletedProcess[str]:
+    """``worker`` with ``args`` on ``nproc`` local gloo ranks (a fresh port each launch), within ``timeout``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *args]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(worker), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ddp import free_port
+from test_ddp import torchrun as ddp_torchrun
 
 import lowdiff
 from lowdiff.storage.format import list_segments, list_snapshots
@@ -22,12 +22,7 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 180.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
+    return ddp_torchrun(nproc, *args, timeout=timeout, check=check, worker=WORKER)
 
 
 def assert_same(step: int, got_model: dict, got_optim: dict, model_sd: dict, optim_sd: dict) -> None:
