@@ -68,6 +68,9 @@ def build_modes(names: list[str] | None, ks: list[int], every: int, window: int,
     for comp in ("topk", "powersgd", "none"):
         modes.append(LowDiffMode(comp, False, every, batch_steps[comp], codec, ld_window, warm_snapshot))
         modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window, warm_snapshot))
+        if names is not None and f"lowdiff-{comp}-process" in names:  # only when named: not in the default run
+            modes.append(LowDiffMode(comp, True, every, batch_steps[comp], codec, ld_window, warm_snapshot,
+                                     persistence="process"))
         if comp == "none":  # the LowDiff+ variants (the shadow replica is refused when training on a GPU)
             for variant in LowDiffPlusMode.VARIANTS:
                 if not (variant == "shadow" and device.type != "cpu"):
@@ -280,7 +283,8 @@ def main() -> None:
     notes.append(dcp_note)
     have = [m.name for m in build_modes(None, ks, every, s, s_ld, args.codec, _batch_steps(args), with_dcp, cfg.device,
                                         auto)]
-    unknown = sorted(set(names or []) - set(have) - {f"lowdiff-{c}-auto" for c in ("topk", "powersgd", "none")})
+    unknown = sorted(set(names or []) - set(have) - {f"lowdiff-{c}-{v}" for c in ("topk", "powersgd", "none")
+                                                     for v in ("auto", "process")})
     if unknown:
         ap.error(f"--modes: unknown or not available here: {', '.join(unknown)} (have: {', '.join(have)})")
     t_start = time.perf_counter()

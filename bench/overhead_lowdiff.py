@@ -3,6 +3,8 @@
 
 ``lowdiff-C`` logs every step with compressor C (``topk``, ``powersgd``, ``none``); its reference ``lowdiff-C-off``
 is the same configuration with ``enabled: false`` (it compresses and decodes identically and writes nothing).
+``lowdiff-C-process`` is ``lowdiff-C`` with ``log.persistence: process`` (same reference); run only when named in
+``--modes``.
 
 Auto mode (``lowdiff-C-auto``, issue #7): ``snapshot.every_steps: auto`` and ``log.batch_steps: auto`` with
 ``tuner.max_overhead`` (``--auto-max-overhead``, 0.02) and ``tuner.mtbf_hours`` (``--auto-mtbf-hours``). It warms
@@ -54,9 +56,11 @@ class LowDiffMode(Mode):
     bandwidth_test = True  # its newest records are re-written by overhead_bandwidth.measure_bandwidth
 
     def __init__(self, comp: str, enabled: bool, every: int, batch_steps: int, codec: str, align: int,
-                 warm_snapshot: bool = True) -> None:
-        super().__init__(f"lowdiff-{comp}" + ("" if enabled else "-off"))
+                 warm_snapshot: bool = True, persistence: str = "thread") -> None:
+        super().__init__(f"lowdiff-{comp}" + ("" if enabled else "-off") + ("-process" if persistence == "process"
+                                                                            else ""))
         self.comp, self.enabled, self.every, self.batch_steps, self.codec = comp, enabled, every, batch_steps, codec
+        self.persistence = persistence
         self.ref = f"lowdiff-{comp}-off" if enabled else "plain"
         self.k = every if enabled else None
         # The same for both twins: a fresh Top-k compressor is slower for ~20 steps. With warm_snapshot the first
@@ -71,7 +75,7 @@ class LowDiffMode(Mode):
         return {"run_dir": str(self.run_dir), "enabled": self.enabled,
                 "compressor": {"name": self.comp, "ratio": TOPK_RATIO, "rank": PSGD_RANK},
                 "snapshot": {"every_steps": self.every, "keep": self.ctx.settings.snapshot_keep},
-                "log": {"batch_steps": self.batch_steps, "codec": self.codec}}
+                "log": {"batch_steps": self.batch_steps, "codec": self.codec, "persistence": self.persistence}}
 
     def trained(self, ctx: Ctx) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The model and inner optimizer this mode wraps: the shared ones."""
@@ -123,7 +127,8 @@ class LowDiffMode(Mode):
             "segments": st.segments, "snapshots": st.snapshots, "log_bytes": st.log_bytes,
             "log_steps": st.steps_committed, "snapshot_bytes": st.snapshot_bytes, "write_s": st.write_s,
             "blocked_s": st.blocked_s}
-        return {"compressor": self.comp, "enabled": self.enabled, "snapshot_every_steps": self.every,
+        return {"compressor": self.comp, "enabled": self.enabled, "persistence": self.persistence,
+                "snapshot_every_steps": self.every,
                 "batch_steps": self.batch_steps, "codec": self.codec,
                 "codec_resolved": resolve_codec(self.codec, self.comp), "writer_stats": writer}
 

@@ -9,8 +9,8 @@ the newest PowerSGD Q of its tensors, and its phase times. No tensor crosses a p
 
 Only ``fork`` gives this without re-importing torch in every worker (a spawned interpreter costs ~2 s, more than
 a short replay), and a fork is safe only while no other thread of the process may hold a lock the child needs
-(h5py's, the allocator's): :func:`fork_unsafe_reason` says when that is not the case, and recovery replays
-sequentially instead.
+(h5py's, the allocator's) and CUDA has not been initialized in the parent (a forked child cannot use it):
+:func:`fork_unsafe_reason` says when that is not the case, and recovery replays sequentially instead.
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ def fork_unsafe_reason() -> str | None:
     """None when worker processes can be forked here, else why not (shown in the recovery report)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return f"worker processes need fork() on Linux, this is {sys.platform}"
+    # A child forked after CUDA was initialized here cannot use CUDA, and torch's optimizers query it even for CPU
+    # tensors (the graph-capture check in Adam.step): "CUDA error: initialization error" in every worker. Seen
+    # on an H100 machine, recovering on the CPU in a process that had trained on the GPU.
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is not None and cuda.is_initialized():
+        return ("CUDA is initialized in this process, and forked replay workers could not use it; call recover() "
+                "from a process that has not used the GPU (lowdiff-recover) to use workers")
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return (f"{len(others)} other thread(s) run in this process ({', '.join(others[:3])}), so forking "

@@ -59,11 +59,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True) -> int:
+def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True, scenario: Scenario = SCENARIO) -> int:
     """Start the trainer, send ``sig`` to it alone once it has reported step ``kill_after``, wait for its
     persistence process to finish (unless ``wait`` is false); returns the last step the trainer reported as
     returned from opt.step()."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(run_dir), json.dumps(SCENARIO.to_dict()), str(STEPS)],
+    proc = subprocess.Popen([sys.executable, str(CHILD), str(run_dir), json.dumps(scenario.to_dict()), str(STEPS)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
