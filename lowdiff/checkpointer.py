@@ -120,6 +120,11 @@ class Checkpointer:
                            compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
                            retention=self.retention, durable_step=durable_step, shadow=shadow)
 
+    @property
+    def slots(self) -> Any:
+        """Where the stager packs step records (lowdiff.stager.Slots): the writer's host buffers or ring."""
+        return self._writer.slots if self._writer is not None else None
+
     def on_writer_thread(self) -> bool:
         """Whether the caller runs on the background writer's thread."""
         return self._writer is not None and self._writer.on_thread()

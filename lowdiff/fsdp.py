@@ -12,6 +12,7 @@ number of ranks cuts its own (docs/guide/fsdp.md, docs/reference/FORMAT.md secti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -26,6 +27,7 @@ from lowdiff.storage.manifest import Manifest
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def _dtensor_type() -> Any:
     try:
         from torch.distributed.tensor import DTensor
@@ -42,6 +44,8 @@ def is_fsdp(model: torch.nn.Module) -> bool:
 
 def local(t: Any) -> Any:
     """The local shard of a DTensor (a view, no copy); any other tensor (or None) as it is."""
+    if t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # per parameter per step: fast path
+        return t
     dt = _dtensor_type()
     return t.to_local() if dt is not None and isinstance(t, dt) else t
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
+import signal
 import sys
 import threading
 import weakref
@@ -29,11 +30,54 @@ OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
 """Wrappers with a run directory, not closed yet."""
 
 
+SIGTERM_EXIT = 128 + signal.SIGTERM
+"""The exit status of a trainer that lowdiff's SIGTERM handler stopped (what a shell reports for SIGTERM)."""
+_terminated = False
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by lowdiff's SIGTERM handler: the stack unwinds (``with opt:`` and ``finally``
+    blocks run), the open wrappers are closed at exit with the interrupted iteration left out, and the process exits
+    with status 143."""
+
+
+def _inside_lowdiff(frame: Any) -> bool:
+    """Whether the main thread is in lowdiff's own code (not the integrations, which run the user's loop)."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("lowdiff.") and not name.startswith("lowdiff.integrations"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _terminated
+    if _inside_lowdiff(frame):
+        # Not in the middle of lowdiff's bookkeeping (a step staged but not held, a record sealed but not handed
+        # over): the signal comes back in 5 ms, until the main thread is in the user's code.
+        threading.Timer(0.005, signal.raise_signal, (signal.SIGTERM,)).start()
+        return
+    _terminated = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    log.warning("lowdiff: SIGTERM: flushing the log before exiting (a second SIGTERM exits at once)")
+    raise Terminated(SIGTERM_EXIT)
+
+
+def opened(opt: LowDiffOptimizer) -> None:
+    """``opt`` holds a run directory until it is closed. The first one installs the SIGTERM handler, when the
+    process has none of its own and this is the main thread: a scheduler's SIGTERM then flushes the log (what
+    the writer thread holds would otherwise die with the process) instead of ending the process on the spot."""
+    OPEN.add(opt)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 @atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler
 def _close_at_exit() -> None:
-    # An uncaught exception ended the script (the interpreter sets sys.last_value before exit handlers run): the
-    # iteration in progress may have stopped halfway, so it is not logged.
-    interrupted = getattr(sys, "last_value", None) is not None
+    # An uncaught exception ended the script (the interpreter sets sys.last_value before exit handlers run), or
+    # SIGTERM did: the iteration in progress may have stopped halfway, so it is not logged.
+    interrupted = getattr(sys, "last_value", None) is not None or _terminated
     for opt in list(OPEN):
         try:
             opt.close(interrupted=interrupted)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lowdiff import fsdp
+from lowdiff import fsdp, lifecycle
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
@@ -128,7 +128,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # partial segment, and the daemon writer may die mid-write (exit status 134). Never holds the wrapper.
             self._release = weakref.finalize(self, release, self._checkpointer, layerwise, self._iteration)
             self._release.atexit = False  # _close_at_exit runs it, before h5py's own exit handler
-            OPEN.add(self)
+            lifecycle.opened(self)
 
     # -- the torch.optim.Optimizer surface -----------------------------------------------------------------
 
@@ -365,7 +365,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             data = self._step_state()  # before anything changes: a state that cannot be logged stops the step here
             # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
             t_stage = time.perf_counter()
-            copies = self._stager.copy_step(grads)
+            copies = self._stager.copy_step(grads, ckpt.slots)
             stage_s = time.perf_counter() - t_stage
         groups = encode_groups(self.inner.param_groups)
         for pre in list(self._optimizer_step_pre_hooks.values()):

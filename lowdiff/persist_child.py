@@ -29,8 +29,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
+import torch
+
 from lowdiff.errors import RunLockedError
-from lowdiff.ring import Arena, unpack, unpack_record
+from lowdiff.packing import unpack as unpack_step
+from lowdiff.ring import Arena, unpack
 from lowdiff.staging import Staged
 from lowdiff.storage.format import Shard
 from lowdiff.storage.lock import WriterLock
@@ -205,7 +208,7 @@ class _Session:
         return False
 
     def _record(self, msg: Any) -> None:
-        _, step, ring_id, aid, offset, nbytes, layout_id, new_layout, groups, data, skipped, keep = msg
+        _, step, ring_id, aid, offset, nbytes, layout_id, new_layout, rng, groups, data, skipped, keep = msg
         if new_layout is not None:
             self.layouts[layout_id] = new_layout
         if self.pending is not None:  # cannot happen with a well-behaved trainer: never leave a slot behind
@@ -214,8 +217,9 @@ class _Session:
             self.pending[0].release()
         rid, ring = self.rings["r"]
         assert rid == ring_id, (rid, ring_id)
-        grads, buffers, rng = unpack_record(self.layouts[layout_id], ring.buf[offset:offset + nbytes])
-        rec = StepRecord(step=step, groups=groups, grads=grads, buffers=buffers, rng=rng, data=data, skipped=skipped)
+        grads, buffers = unpack_step(self.layouts[layout_id], ring.buf[offset:offset + nbytes])
+        rec = StepRecord(step=step, groups=groups, grads=grads, buffers=buffers, data=data, skipped=skipped,
+                         rng={k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng.items()})
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), keep)
 
     def _take_pending(self, step: int) -> tuple[Staged[StepRecord], bool]:

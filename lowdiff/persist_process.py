@@ -29,8 +29,9 @@ from typing import Any
 
 import lowdiff
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.ring import Arena, RecordPacker, RingAllocator, layout, pack, skeleton
-from lowdiff.staging import Staged
+from lowdiff.packing import PackedStep, StepPacker, pack_host
+from lowdiff.ring import Arena, RingAllocator, layout, pack, skeleton
+from lowdiff.staging import Slot, Staged
 from lowdiff.storage.lock import take_persistence_lock
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
@@ -66,7 +67,8 @@ class ProcessWriter:
         self._ring: Arena | None = None
         self._alloc = RingAllocator(0)
         self._ring_id = 0
-        self._packer = RecordPacker()
+        self._packer = StepPacker()  # records packed here rather than by the stager
+        self._layouts_sent: set[int] = set()
         self._records = 0  # records sent and not yet released by the persistence process
         self._snap: Arena | None = None
         self._snap_busy = False
@@ -144,24 +146,64 @@ class ProcessWriter:
 
     # -- hand-over -------------------------------------------------------------------------------------------
 
+    @property
+    def slots(self) -> ProcessWriter:
+        """The stager packs step records straight into this writer's ring (:meth:`alloc`)."""
+        return self
+
+    def alloc(self, nbytes: int, pinned: bool) -> Slot | None:
+        """A ring slot for a step the stager packs (lowdiff.stager.Slots); None when the persistence process is
+        gone. Blocks while the ring is full (back-pressure). ``pinned``: the slot receives copies from a GPU, so
+        the ring is registered with CUDA as pinned memory for them to run asynchronously."""
+        got = self._alloc_record(nbytes)
+        if got is None or self._ring is None:
+            return None
+        if pinned and not self._ring.pinned:
+            self._ring.pin()
+        aid, offset = got
+        ring_id, state = self._ring_id, {"sent": False}
+
+        def release() -> None:  # a record never handed over (its step raised): the slot comes back here
+            if not state["sent"] and ring_id == self._ring_id:
+                self._alloc.free(aid)
+                self._records -= 1
+
+        slot = Slot(self._ring.buf[offset:offset + nbytes], (ring_id, aid, offset, state), release)
+        return slot
+
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
         """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended).
         ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
         tracked changes at the end of an iteration)."""
-        rec = record.wait()
-        packer = self._packer
-        tensors, new_layout = packer.plan(rec.grads, rec.buffers, rec.rng)
-        nbytes = packer.nbytes
-        got = self._alloc_record(nbytes)
-        if got is None or self._ring is None:  # the persistence process died: take_error() says so
+        rec = record.wait()  # on a GPU: this step's copies into the ring are complete
+        packed = rec.packed
+        if packed is None or packed.handle is None or packed.handle[0] != self._ring_id:
+            packed = self._pack_here(rec)
             record.release()
-            return
-        aid, offset = got
-        packer.pack(tensors, self._ring.buf[offset:offset + nbytes])
-        record.release()
+            if packed is None:  # the persistence process died: take_error() says so
+                return
+        ring_id, aid, offset, state = packed.handle
+        state["sent"] = True
+        layout = packed.layout
         self._kept_if_orphaned = keep_if_orphaned
-        self._send(("rec", rec.step, self._ring_id, aid, offset, nbytes, packer.layout_id, new_layout, rec.groups,
+        rng = {k: v.numpy().tobytes() for k, v in rec.rng.items()}
+        self._send(("rec", rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
+                    None if layout.id in self._layouts_sent else layout.wire, rng, rec.groups,
                     rec.data, rec.skipped, keep_if_orphaned))
+        self._layouts_sent.add(layout.id)
+
+    def _pack_here(self, rec: StepRecord) -> PackedStep | None:
+        """A record the stager did not pack into this ring (layer-wise captures, a replaced ring): packed now."""
+        rec.unpack()
+        keys = [(n, f) for n, p in rec.grads.items() for f in p] + [("", n) for n in rec.buffers]
+        tensors = [t for p in rec.grads.values() for t in p.values()] + list(rec.buffers.values())
+        layout, _ = self._packer.plan(keys, tensors)
+        assert layout is not None  # host tensors
+        slot = self.alloc(layout.nbytes, pinned=False)
+        if slot is None:
+            return None
+        pack_host(layout, tensors, slot.buf)
+        return PackedStep(slot.buf, layout, False, slot.handle)
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""

@@ -9,12 +9,15 @@ crosses as a small message (a skeleton of names and shapes) plus bytes already i
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections import OrderedDict
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64
 """Every allocation and every dtype region starts on a multiple of this many bytes (views of any dtype are aligned)."""
@@ -31,8 +34,24 @@ class Arena:
         self.fd = fd
         self._map = mmap.mmap(fd, nbytes)
         self.buf = torch.frombuffer(self._map, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        """Registration with CUDA was tried (:meth:`pin`)."""
+        self._registered = False
+
+    def pin(self) -> None:
+        """Register the mapping with CUDA as pinned memory, so copies from a GPU into it run asynchronously. If
+        CUDA refuses, the copies still land, synchronously, and lowdiff says so."""
+        self.pinned = True
+        err = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.nbytes, 0))
+        self._registered = err == 0
+        if not self._registered:
+            log.warning("lowdiff: could not pin the %d-byte record ring (CUDA error %d); copies from the GPU into "
+                        "it are synchronous", self.nbytes, err)
 
     def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            self._registered = False
         self.buf = torch.empty(0, dtype=torch.uint8)
         try:
             self._map.close()
@@ -160,62 +179,6 @@ def _copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
         region.copy_(parts[0])
     elif parts:
         torch.cat(parts, out=region)
-
-
-class RecordPacker:
-    """Packs step records whose tensors keep their names, dtypes and shapes from step to step (Top-k's k, PowerSGD's
-    factors, the gradients themselves) without redoing their layout: the layout gets an id, sent once; later
-    records say only the id. Per step this costs a comparison of the shapes and one ``torch.cat`` per dtype."""
-
-    def __init__(self) -> None:
-        self.layout_id = 0
-        self._keys: list[tuple[str, str, str]] = []
-        self._sig: list[Any] = []
-        self._regions: list[tuple[torch.dtype, int, int]] = []
-        self._members: list[list[int]] = []
-        self._flat = True
-        self.nbytes = 0
-
-    def plan(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
-             rng: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """The record's tensors in packing order, and the new layout to send (None: the previous one holds)."""
-        keys = [("g", n, f) for n, p in grads.items() for f in p]
-        keys += [("b", n, "") for n in buffers] + [("r", n, "") for n in rng]
-        tensors = [t for p in grads.values() for t in p.values()]
-        tensors += [*buffers.values(), *rng.values()]
-        sig = [(t.dtype, t.shape) for t in tensors]
-        if sig == self._sig and keys == self._keys:
-            return tensors, None
-        regions, places, self.nbytes = layout(tensors)
-        self._keys, self._sig, self._regions = keys, sig, regions
-        self._members = [[i for i, (r, _) in enumerate(places) if r == k] for k in range(len(regions))]
-        self._flat = all(t.dim() == 1 for t in tensors)
-        self.layout_id += 1
-        return tensors, (keys, regions, places)
-
-    def pack(self, tensors: list[torch.Tensor], dst: torch.Tensor) -> None:
-        for (dt, offset, numel), members in zip(self._regions, self._members):
-            parts = [tensors[i] for i in members] if self._flat else [_flat(tensors[i]) for i in members]
-            _copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
-
-
-def unpack_record(layout_: Any, src: torch.Tensor) -> tuple[dict[str, dict[str, torch.Tensor]],
-                                                             dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(grads, buffers, rng) of a record packed by :class:`RecordPacker` with ``layout_``, as views of ``src``."""
-    keys, regions, places = layout_
-    refs = [Ref(i) for i in range(len(keys))]
-    tensors = unpack(refs, regions, places, src)
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    rng: dict[str, torch.Tensor] = {}
-    for (section, name, field), t in zip(keys, tensors):
-        if section == "g":
-            grads.setdefault(name, {})[field] = t
-        elif section == "b":
-            buffers[name] = t
-        else:
-            rng[name] = t
-    return grads, buffers, rng
 
 
 def unpack(skel: Any, regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]],

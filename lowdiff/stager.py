@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +27,8 @@ from lowdiff.compressors.base import Compressor
 from lowdiff.fsdp import local as local_tensor
 from lowdiff.model_spec import ModelSpec
 from lowdiff.named_state import to_named
-from lowdiff.staging import HostCopier, HostPool, Staged
+from lowdiff.packing import PackedStep, StepPacker
+from lowdiff.staging import HostCopier, HostPool, Slot, Staged
 from lowdiff.storage.format import encode_value
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState
@@ -35,12 +36,21 @@ from lowdiff.storage.snapshot import SnapshotState
 
 @dataclass
 class StepCopies:
-    """A step's payloads and changed buffers on their way to host memory (not yet a record)."""
+    """A step's payloads and changed buffers on their way to host memory (not yet a record): as tensors, or
+    ``packed`` into one host buffer (lowdiff.packing; then ``grads`` and ``buffers`` are empty)."""
 
     grads: dict[str, dict[str, torch.Tensor]]
     buffers: dict[str, torch.Tensor]
     ready: Any
     release: Any
+    packed: PackedStep | None = None
+
+
+class Slots(Protocol):
+    """Where packed steps go: the writer's host buffers (lowdiff.staging.HostSlots) or a persistence process's
+    ring (lowdiff.persist_process.ProcessWriter)."""
+
+    def alloc(self, nbytes: int, pinned: bool) -> Slot | None: ...
 
 
 class Stager:
@@ -64,6 +74,8 @@ class Stager:
         # model's state faulted its pages in on the training thread, ~1 s per snapshot here); held between them.
         self._snapshot_pool = HostPool()
         self._buffer_last: dict[str, torch.Tensor] = {}
+        self._packer = StepPacker()
+        self._slots: Slots | None = None
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in spec.params.values() if p.is_cuda})
@@ -71,7 +83,7 @@ class Stager:
     @property
     def reused(self) -> int:
         """Step records staged into reused host buffers so far."""
-        return self._pool.reused
+        return self._pool.reused + getattr(self._slots, "reused", 0)
 
     @property
     def snapshots_reused(self) -> int:
@@ -82,8 +94,13 @@ class Stager:
         """Take the buffers' values now as the baseline the next records' changed buffers are found against."""
         self._buffer_last = {s.name: s.get().detach().clone() for s in self.spec.buffers}
 
-    def copy_step(self, grads: dict[str, dict[str, torch.Tensor]]) -> StepCopies:
-        """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers."""
+    def copy_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots | None = None) -> StepCopies:
+        """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers; with
+        ``slots``, packed into one of its buffers (one copy per dtype) unless layer-wise capture has copies."""
+        if slots is not None and self.layerwise is None:
+            packed = self._pack_step(grads, slots)
+            if packed is not None:
+                return packed
         captured = self.layerwise.take() if self.layerwise is not None else {}
         names: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
@@ -117,13 +134,30 @@ class Stager:
         # One side stream: a later event also covers the copies the hooks queued before it.
         return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
 
+    def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots) -> StepCopies | None:
+        keys = [(n, f) for n, p in grads.items() for f in p]
+        tensors = [t for p in grads.values() for t in p.values()]
+        if self.leader and self.spec.buffers:
+            buffers = self._changed_buffers()
+            keys += [("", n) for n in buffers]
+            tensors += buffers.values()
+        layout, new = self._packer.plan(keys, tensors)
+        if layout is None:
+            return None
+        self._slots = slots
+        slot = slots.alloc(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
+        if slot is None:  # the persistence process is gone (its error reaches the caller at the next step)
+            return None
+        ready = self.copier.pack(layout, tensors, slot.buf)
+        return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, new, slot.handle))
+
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
                     data: dict[str, Any] | None = None, *, skipped: bool = False) -> Staged[StepRecord]:
         """The record of ``step``: call right after the inner step (the RNG state it logs is what the next forward
         pass starts from). ``data``: the encoded state of the objects tracked ``at="step"``; ``skipped``: an
         iteration without an optimizer step (no gradients)."""
         record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
-                            rng=self._rng(), data=dict(data or {}), skipped=skipped)
+                            rng=self._rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
         return Staged(record, copies.ready, copies.release)
 
     def snapshot(self, step: int, data: dict[str, Any] | None = None) -> Staged[SnapshotState]:

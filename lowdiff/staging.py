@@ -23,6 +23,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from lowdiff.packing import StepLayout, pack_host, region_parts, region_view
+
 log = logging.getLogger(__name__)
 
 # The device-side concatenation of one call may use at most this fraction of the device's free memory.
@@ -140,6 +142,67 @@ class HostCopier:
         if not spare:
             main.wait_event(event)  # nothing on the training stream may change the sources before they are read
         return out, event, None  # pinned buffers: the caching host allocator reuses them
+
+
+    def pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> Any:
+        """Copy ``tensors`` (all on ``layout.device``) into the host buffer ``buf`` as ``layout`` places them; the
+        event the copies complete at (None: complete now). On a GPU, with spare device memory, one concatenation
+        per dtype on the training stream (a private copy: live tensors may change at once) and one copy per dtype
+        into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous."""
+        if layout.device.type != "cuda" or not self.asynchronous:
+            if layout.device.type != "cpu":
+                tensors = [t.cpu() for t in tensors]
+            pack_host(layout, tensors, buf)
+            return None
+        main = torch.cuda.current_stream(self.device)
+        spare = layout.nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
+        parts = region_parts(layout, tensors)
+        flats = [torch.cat(p) for p, _ in parts] if spare else []
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            if spare:
+                for flat, (_, region) in zip(flats, parts):
+                    region_view(buf, region).copy_(flat, non_blocking=True)
+                    flat.record_stream(self.stream)
+            else:  # no room for a private copy on the device: read the tensors themselves, training waits below
+                for p, region in parts:
+                    dst, at = region_view(buf, region), 0
+                    for t in p:
+                        dst[at:at + t.numel()].copy_(t, non_blocking=True)
+                        at += t.numel()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        if not spare:
+            main.wait_event(event)
+        return event
+
+
+@dataclass
+class Slot:
+    """A host buffer a step is packed into (lowdiff.packing). ``handle``: where it lives for the sink that gave it
+    (None: a private buffer); ``release``: give it back once the record is persisted or dropped."""
+
+    buf: torch.Tensor
+    handle: Any
+    release: Callable[[], None] | None
+
+
+class HostSlots:
+    """The writer thread's slots: pooled host buffers (pinned ones from the caching host allocator when the
+    copies come from a GPU)."""
+
+    def __init__(self) -> None:
+        self._pool = HostPool()
+
+    def alloc(self, nbytes: int, pinned: bool) -> Slot:
+        if pinned:
+            return Slot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None, None)
+        buf = self._pool.take(torch.uint8, nbytes)
+        return Slot(buf, None, lambda: self._pool.give(buf))
+
+    @property
+    def reused(self) -> int:
+        return self._pool.reused
 
 
 def _pinned(src: torch.Tensor) -> torch.Tensor:

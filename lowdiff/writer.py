@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.staging import Staged
+from lowdiff.staging import HostSlots, Staged
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState
@@ -75,6 +75,8 @@ class BackgroundWriter:
         self.shadow = shadow
         self.shadow_ok = shadow is not None
         self.stats = WriterStats()
+        self.slots = HostSlots()
+        """The host buffers the training thread packs step records into (lowdiff.stager.Slots)."""
         self._queue_depth = queue_depth
         self._durable_step = durable_step
         self._error: BaseException | None = None
@@ -172,7 +174,7 @@ class BackgroundWriter:
                 self._write_batch()
                 item.done.set()
             elif isinstance(item, Staged) and isinstance(item.item, StepRecord):
-                item.wait()
+                item.wait().unpack()  # a packed record's tensors become views here, off the training thread
                 if self.shadow_ok:
                     self._apply_shadow(item.item)
                 if self._broken:

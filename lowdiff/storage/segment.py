@@ -44,10 +44,27 @@ class StepRecord:
     skipped: bool = False
     """An iteration without an optimizer step (a tracked GradScaler skipped it): no gradients, nothing to replay
     but its buffers, RNG state and tracked state."""
+    packed: Any = None
+    """A :class:`lowdiff.packing.PackedStep` holding ``grads`` and ``buffers`` still packed (staged that way by the
+    training thread); :meth:`unpack` turns it into them on the writer's side."""
 
     @property
     def payload_nbytes(self) -> int:
+        if self.packed is not None:
+            return int(self.packed.layout.payload_nbytes)
         return sum(t.numel() * t.element_size() for p in self.grads.values() for t in p.values())
+
+    def unpack(self) -> StepRecord:
+        """Fill ``grads`` and ``buffers`` from the packed buffer (views of it); a record never packed is left as it
+        is. Call once the buffer's copies are complete (``Staged.wait``)."""
+        if self.packed is not None:
+            from lowdiff.packing import unpack
+
+            grads, buffers = unpack(self.packed.layout.wire, self.packed.buf)
+            self.grads.update(grads)
+            self.buffers.update(buffers)
+            self.packed = None
+        return self
 
 
 def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str,

@@ -19,6 +19,12 @@ SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, comp
                     batch_steps=3, every_steps=4)
 
 
+@pytest.fixture(autouse=True)
+def _forkable() -> None:
+    if torch.cuda.is_initialized():  # GPU tests ran earlier in this process: recovery replays in one process
+        pytest.skip("CUDA is initialized in this process, so replay workers are not forked (see test_gpu.py)")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("workers") / "run"
