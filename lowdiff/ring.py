@@ -1,10 +1,11 @@
 """Shared host memory between the training process and its persistence process (``log.persistence: process``).
 
 An :class:`Arena` is an anonymous memory file (``memfd_create``) mapped in both processes; its descriptor crosses the
-control socket once (SCM_RIGHTS). The training side carves records out of it with a :class:`RingAllocator` (first in,
-first out, frees may come out of order) and fills them with one concatenating copy per dtype (:func:`pack`); the
-persistence side sees the same bytes as tensor views (:func:`unpack`). Nothing here pickles a tensor: a record
-crosses as a small message (a skeleton of names and shapes) plus bytes already in the arena.
+control socket once (SCM_RIGHTS). The training side carves step records out of it with a :class:`RingAllocator`
+(first in, first out, frees may come out of order), and the stager packs each step into its slot
+(lowdiff.packing); snapshots are packed with :func:`pack`, and the persistence side sees the same bytes as tensor
+views (:func:`unpack`). Nothing here pickles a tensor: a record crosses as a small message plus bytes already in
+the arena.
 """
 
 from __future__ import annotations

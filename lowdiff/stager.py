@@ -5,7 +5,7 @@ CUDA event their copies complete at, and the release of pooled buffers) that the
 training goes on. A step is staged in two calls because its copies must be queued before the inner optimizer
 step (on a GPU they overlap its kernels) while its RNG state exists only after it:
 
-    copies = stager.copy_step(payloads)              # before inner.step(): device-to-host copies in flight
+    copies = stager.copy_step(payloads, slots)       # before inner.step(): packed into a writer's slot (in flight)
     inner.step()
     record = stager.finish_step(copies, step, groups, data)  # after it: a Staged[StepRecord]
 
