@@ -114,7 +114,7 @@ def main(fd: int) -> None:
                           queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
                           durable_step=w["durable_step"], shadow=start["shadow"])
     writer.reporter = reporter
-    session = _Session(conn, writer, reporter)
+    session = _Session(conn, writer, reporter, start["trainer_pid"])
     reporter.send(("ready",))
     code = 0
     try:
@@ -136,8 +136,9 @@ def main(fd: int) -> None:
 
 
 class _Session:
-    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter) -> None:
+    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter, trainer_pid: int) -> None:
         self.conn = conn
+        self.trainer_pid = trainer_pid
         self.writer = writer
         self.reporter = reporter
         self.rings: dict[str, tuple[int, Arena]] = {}
@@ -146,11 +147,13 @@ class _Session:
 
     def serve(self) -> bool:
         """Handle messages until ``close`` (True) or until the training process is gone (False)."""
-        parent = os.getppid()
         while True:
             try:
                 if not self.conn.poll(1.0):
-                    if os.getppid() != parent:
+                    # Re-parented: the trainer is gone, though a process it forked (a DataLoader worker) may still
+                    # hold its end of the socket. Compared with the trainer's pid, not with the parent found at
+                    # start: the trainer may have died while this process was still importing torch.
+                    if os.getppid() != self.trainer_pid:
                         return False
                     continue
                 msg = pickle.loads(self.conn.recv_bytes())
