@@ -10,8 +10,11 @@ When the training process dies (the socket reaches end of file, or this process 
 record it received, the one whose iteration had not ended included when nothing tracked changes at the end of an
 iteration, and exits. It holds RUN_DIR/persist-RANK.lock for its whole life (its trainer took it and handed it
 over), so a trainer restarted meanwhile waits for it, never races it; rank 0's also takes the writer lock to commit.
-SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group reaches the trainer,
-and this process finishes the trainer's work after it.
+It runs in a session of its own, so a signal to the trainer's process group (a Ctrl-C, torchrun's SIGTERM and then
+SIGKILL to the ranks of a failed job) never reaches it; in its trainer's group it once died of torchrun's SIGTERM
+while still importing torch, with every record it held. SIGINT and SIGTERM sent to it directly (a scheduler
+signalling every process of a job) are ignored once its imports are done: the trainer gets them too, and this
+process finishes the trainer's work after it.
 """
 
 from __future__ import annotations
