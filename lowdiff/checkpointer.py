@@ -111,10 +111,6 @@ class Checkpointer:
             from lowdiff.persist_process import ProcessWriter
 
             cls = ProcessWriter
-            if self.run_dir.shard.count > 1:
-                log.warning("lowdiff: log.persistence: process under torch.distributed has a known, undiagnosed "
-                            "failure (a rank's persistence process can lose its records when every trainer dies "
-                            "early): see docs/guide/durability.md")
         self._writer = cls(self.run_dir, batch_steps=self.policy.batch_steps,
                            codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
                            compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,

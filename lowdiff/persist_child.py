@@ -10,8 +10,11 @@ When the training process dies (the socket reaches end of file, or this process 
 record it received, the one whose iteration had not ended included when nothing tracked changes at the end of an
 iteration, and exits. It holds RUN_DIR/persist-RANK.lock for its whole life (its trainer took it and handed it
 over), so a trainer restarted meanwhile waits for it, never races it; rank 0's also takes the writer lock to commit.
-SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group reaches the trainer,
-and this process finishes the trainer's work after it.
+It runs in a session of its own, so a signal to the trainer's process group (a Ctrl-C, torchrun's SIGTERM and then
+SIGKILL to the ranks of a failed job) never reaches it; in its trainer's group it once died of torchrun's SIGTERM
+while still importing torch, with every record it held. SIGINT and SIGTERM sent to it directly (a scheduler
+signalling every process of a job) are ignored once its imports are done: the trainer gets them too, and this
+process finishes the trainer's work after it.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def main(fd: int) -> None:
                           queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
                           durable_step=w["durable_step"], shadow=start["shadow"])
     writer.reporter = reporter
-    session = _Session(conn, writer, reporter)
+    session = _Session(conn, writer, reporter, start["trainer_pid"])
     reporter.send(("ready",))
     code = 0
     try:
@@ -139,8 +142,9 @@ def main(fd: int) -> None:
 
 
 class _Session:
-    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter) -> None:
+    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter, trainer_pid: int) -> None:
         self.conn = conn
+        self.trainer_pid = trainer_pid
         self.writer = writer
         self.reporter = reporter
         self.rings: dict[str, tuple[int, Arena]] = {}
@@ -149,11 +153,13 @@ class _Session:
 
     def serve(self) -> bool:
         """Handle messages until ``close`` (True) or until the training process is gone (False)."""
-        parent = os.getppid()
         while True:
             try:
                 if not self.conn.poll(1.0):
-                    if os.getppid() != parent:
+                    # Re-parented: the trainer is gone, though a process it forked (a DataLoader worker) may still
+                    # hold its end of the socket. Compared with the trainer's pid, not with the parent found at
+                    # start: the trainer may have died while this process was still importing torch.
+                    if os.getppid() != self.trainer_pid:
                         return False
                     continue
                 msg = pickle.loads(self.conn.recv_bytes())

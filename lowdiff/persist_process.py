@@ -90,9 +90,12 @@ class ProcessWriter:
         # run directory waits for it (lowdiff.storage.lock.wait_for_persistence).
         lock_fd = take_persistence_lock(run_dir.path, run_dir.shard.index)
         try:
+            # In a session of its own: a signal to the trainer's process group (torchrun's SIGTERM and SIGKILL to
+            # the other ranks when one fails, a Ctrl-C, a terminal's SIGHUP) does not reach it, even while it is
+            # still importing torch, before it ignores SIGTERM.
             self._proc = subprocess.Popen([sys.executable, "-m", "lowdiff.persist_child", str(theirs.fileno())],
                                           pass_fds=(theirs.fileno(), lock_fd), env=env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL)
+                                          stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(lock_fd)
         theirs.close()
@@ -103,7 +106,8 @@ class ProcessWriter:
             "writer": {"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
                        "queue_depth": queue_depth, "retention": retention.keep_snapshots,
                        "durable_step": durable_step},
-            "shadow": shadow, "log_level": logging.getLogger("lowdiff").getEffectiveLevel()})
+            "shadow": shadow, "log_level": logging.getLogger("lowdiff").getEffectiveLevel(),
+            "trainer_pid": os.getpid()})
         self.start_s = time.perf_counter() - t0
         log.info("lowdiff: persistence process pid %d started for %s", self._proc.pid, run_dir.path)
 

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -59,12 +60,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True, scenario: Scenario = SCENARIO) -> int:
-    """Start the trainer, send ``sig`` to it alone once it has reported step ``kill_after``, wait for its
-    persistence process to finish (unless ``wait`` is false); returns the last step the trainer reported as
-    returned from opt.step()."""
+def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True, scenario: Scenario = SCENARIO,
+                    group: bool = False) -> int:
+    """Start the trainer, send ``sig`` to it alone (to its whole process group if ``group``, as torchrun does to the
+    other ranks when one fails) once it has reported step ``kill_after``, wait for its persistence process to finish
+    (unless ``wait`` is false); returns the last step the trainer reported as returned from opt.step()."""
     proc = subprocess.Popen([sys.executable, str(CHILD), str(run_dir), json.dumps(scenario.to_dict()), str(STEPS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=group)
     try:
         assert proc.stdout is not None
         step = 0
@@ -76,7 +78,10 @@ def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True,
                 break
             step = int(line.split()[0])
         helpers = _descendants(proc.pid)
-        proc.send_signal(sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         proc.wait(timeout=30)
         # lowdiff's SIGTERM handler unwinds the trainer, flushes the log and exits with 128 + SIGTERM.
         assert proc.returncode == (143 if sig == signal.SIGTERM else -sig), proc.stderr.read()[-3000:]
@@ -94,9 +99,14 @@ def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True,
                 f.close()
 
 
-@pytest.mark.parametrize("sig,kill_after", [(signal.SIGKILL, k) for k in KILL_AFTER] + [(signal.SIGTERM, 9)])
-def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: int, kill_after: int) -> None:
-    _death_loses_no_returned_step(tmp_path / "run", reference, sig, kill_after, SCENARIO)
+@pytest.mark.parametrize("sig,kill_after,group", [(signal.SIGKILL, k, False) for k in KILL_AFTER]
+                         + [(signal.SIGTERM, 9, False), (signal.SIGTERM, 2, True), (signal.SIGKILL, 14, True)])
+def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: int, kill_after: int,
+                                              group: bool) -> None:
+    """``group``: the signal goes to the trainer's process group (torchrun's SIGTERM, then SIGKILL, to the other
+    ranks of a failed job): the persistence process, in a session of its own, gets neither. SIGTERM right after step
+    2 reaches it, if it were in the group, while it still imports torch, before it ignores SIGTERM."""
+    _death_loses_no_returned_step(tmp_path / "run", reference, sig, kill_after, SCENARIO, group)
 
 
 @pytest.mark.parametrize("kill_after", [5, 17, 30])
@@ -108,8 +118,9 @@ def test_sigterm_of_a_thread_persistence_trainer_loses_no_returned_step(tmp_path
     _death_loses_no_returned_step(tmp_path / "run", reference, signal.SIGTERM, kill_after, thread)
 
 
-def _death_loses_no_returned_step(run_dir: Path, reference, sig: int, kill_after: int, scenario: Scenario) -> None:
-    returned = _run_and_signal(run_dir, kill_after, sig, scenario=scenario)
+def _death_loses_no_returned_step(run_dir: Path, reference, sig: int, kill_after: int, scenario: Scenario,
+                                  group: bool = False) -> None:
+    returned = _run_and_signal(run_dir, kill_after, sig, scenario=scenario, group=group)
     rec = lowdiff.recover(run_dir, workers=1)
     note = f"signal {sig} after step {returned} returned; recovered {rec.step}"
     # The step after the last reported one may have returned too (killed between opt.step() and the report).
