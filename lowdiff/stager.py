@@ -76,6 +76,7 @@ class Stager:
         self._buffer_last: dict[str, torch.Tensor] = {}
         self._packer = StepPacker()
         self._slots: Slots | None = None
+        self._unfinished: StepCopies | None = None  # packed by copy_step, not yet a record (finish_step)
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in spec.params.values() if p.is_cuda})
@@ -97,9 +98,14 @@ class Stager:
     def copy_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots | None = None) -> StepCopies:
         """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers; with
         ``slots``, packed into one of its buffers (one copy per dtype) unless layer-wise capture has copies."""
+        abandoned, self._unfinished = self._unfinished, None
+        if abandoned is not None and abandoned.release is not None:
+            abandoned.release()  # the step staged last never became a record (its inner step raised): its slot back
+        buffers = self._changed_buffers() if self.leader else {}
         if slots is not None and self.layerwise is None:
-            packed = self._pack_step(grads, slots)
+            packed = self._pack_step(grads, buffers, slots)
             if packed is not None:
+                self._unfinished = packed
                 return packed
         captured = self.layerwise.take() if self.layerwise is not None else {}
         names: list[tuple[str, str]] = []
@@ -118,7 +124,6 @@ class Stager:
                 # A payload sharing memory with .grad (compressor none, PowerSGD's 1-D tensors) is live: the user
                 # may zero that gradient in place (zero_grad(set_to_none=False)) before the writer reads it.
                 live.append(grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
-        buffers = self._changed_buffers() if self.leader else {}
         for n, t in buffers.items():
             names.append(("", n))
             tensors.append(t)
@@ -134,11 +139,11 @@ class Stager:
         # One side stream: a later event also covers the copies the hooks queued before it.
         return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
 
-    def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots) -> StepCopies | None:
+    def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
+                   slots: Slots) -> StepCopies | None:
         keys = [(n, f) for n, p in grads.items() for f in p]
         tensors = [t for p in grads.values() for t in p.values()]
-        if self.leader and self.spec.buffers:
-            buffers = self._changed_buffers()
+        if buffers:
             keys += [("", n) for n in buffers]
             tensors += buffers.values()
         layout, new = self._packer.plan(keys, tensors)
@@ -156,6 +161,7 @@ class Stager:
         """The record of ``step``: call right after the inner step (the RNG state it logs is what the next forward
         pass starts from). ``data``: the encoded state of the objects tracked ``at="step"``; ``skipped``: an
         iteration without an optimizer step (no gradients)."""
+        self._unfinished = None
         record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
                             rng=self._rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
         return Staged(record, copies.ready, copies.release)

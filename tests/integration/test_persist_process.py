@@ -272,3 +272,43 @@ def test_ring_is_replaced_when_records_outgrow_it(tmp_path: Path) -> None:
         rec = lowdiff.recover(tmp_path / "run", step=k, workers=1)
         for name, t in states[k].items():
             assert torch.equal(rec.model[name], t), (k, name)
+
+
+def test_a_step_that_raises_gives_its_ring_slot_back(tmp_path: Path) -> None:
+    """A step's record is packed into a ring slot before the inner step; if that step raises, the slot must come
+    back, or the ring (first in, first out) fills up behind it and training blocks for good once it wraps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)  # compressor none: 1 MB records, the ring wraps every few steps
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.01), model, {
+        "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 1000},
+        "log": {"batch_steps": 2, "queue_depth": 1, "persistence": "process"}})
+    calls = {"n": 0}
+
+    def fail_once(*_: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("inner step failed")
+
+    opt.register_step_pre_hook(fail_once)
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("training blocked: the failed step's ring slot was never given back")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        done = 0
+        for _ in range(40):
+            model(torch.ones(4, 512)).sum().backward()
+            try:
+                opt.step()
+                done += 1
+            except RuntimeError:
+                pass
+            opt.zero_grad()
+        assert done == 39 and opt.flush() == 39
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    opt.close()
+    assert lowdiff.recover(tmp_path / "run", workers=1).step == 39
