@@ -61,6 +61,18 @@ class PackedStep:
     handle: Any = None
 
 
+KNOWN_LAYOUTS = 64
+"""Layouts a persistence process keeps, the newest first sent: both sides forget the oldest in the same order, so
+a step whose parameters with gradients keep changing (a mixture of experts) does not grow them without bound."""
+
+
+def remember(known: dict[int, Any], lid: int, wire: Any) -> None:
+    """Add layout ``lid`` to ``known`` (insertion-ordered), forgetting the oldest past KNOWN_LAYOUTS."""
+    known[lid] = wire
+    while len(known) > KNOWN_LAYOUTS:
+        del known[next(iter(known))]
+
+
 _LAYOUT_IDS = itertools.count(1)
 """Layout ids are unique in the process: a persistence process keeps the layouts of several packers by id."""
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lowdiff.errors import RunLockedError
+from lowdiff.packing import remember
 from lowdiff.packing import unpack as unpack_step
 from lowdiff.ring import Arena, unpack
 from lowdiff.staging import Staged
@@ -216,7 +217,7 @@ class _Session:
     def _record(self, msg: Any) -> None:
         _, step, ring_id, aid, offset, nbytes, layout_id, new_layout, rng, groups, data, skipped, keep = msg
         if new_layout is not None:
-            self.layouts[layout_id] = new_layout
+            remember(self.layouts, layout_id, new_layout)
         if self.pending is not None:  # cannot happen with a well-behaved trainer: never leave a slot behind
             log.error("lowdiff: step %d arrived before step %d ended; the latter is dropped", step,
                       self.pending[0].item.step)

@@ -29,7 +29,7 @@ from typing import Any
 
 import lowdiff
 from lowdiff.errors import CheckpointWriteError
-from lowdiff.packing import PackedStep, StepPacker, pack_host
+from lowdiff.packing import PackedStep, StepPacker, pack_host, remember
 from lowdiff.ring import Arena, RingAllocator, layout, pack, skeleton
 from lowdiff.staging import Slot, Staged
 from lowdiff.storage.lock import take_persistence_lock
@@ -68,7 +68,7 @@ class ProcessWriter:
         self._alloc = RingAllocator(0)
         self._ring_id = 0
         self._packer = StepPacker()  # records packed here rather than by the stager
-        self._layouts_sent: set[int] = set()
+        self._layouts_sent: dict[int, None] = {}  # the ids the persistence process knows (packing.remember)
         self._records = 0  # records sent and not yet released by the persistence process
         self._snap: Arena | None = None
         self._snap_busy = False
@@ -194,7 +194,8 @@ class ProcessWriter:
         self._send(("rec", rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                     None if layout.id in self._layouts_sent else layout.wire, rng, rec.groups,
                     rec.data, rec.skipped, keep_if_orphaned))
-        self._layouts_sent.add(layout.id)
+        if layout.id not in self._layouts_sent:
+            remember(self._layouts_sent, layout.id, None)
 
     def _pack_here(self, rec: StepRecord) -> PackedStep | None:
         """A record the stager did not pack into this ring (layer-wise captures, a replaced ring): packed now."""

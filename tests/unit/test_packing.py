@@ -1,0 +1,59 @@
+"""lowdiff.packing: a step's tensors packed into one host buffer and read back as views, bit for bit; the layout
+is reused while nothing changes and replaced when anything does; the layouts a persistence process keeps are
+bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowdiff.packing import KNOWN_LAYOUTS, StepPacker, pack_host, remember, unpack
+
+
+def _step(k: int) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(k)
+    keys = [("w", "values"), ("w", "indices"), ("b", "p"), ("b", "q"), ("", "bn.running_mean")]
+    tensors = [torch.randn(7, generator=g), torch.randint(0, 100, (7,), generator=g),
+               torch.randn(5, 2, generator=g, dtype=torch.float64), torch.randn(3, 2, generator=g),
+               torch.randn(4, generator=g)]
+    return keys, tensors
+
+
+def test_packed_step_reads_back_bit_for_bit() -> None:
+    keys, tensors = _step(0)
+    layout, new = StepPacker().plan(keys, tensors)
+    assert layout is not None and new
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pack_host(layout, tensors, buf)
+    grads, buffers = unpack(layout.wire, buf)
+    assert list(grads) == ["w", "b"] and list(buffers) == ["bn.running_mean"]
+    for (name, field), t in zip(keys, tensors):
+        got = grads[name][field] if name else buffers[field]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    payload = sum(t.numel() * t.element_size() for (n, _), t in zip(keys, tensors) if n)
+    assert layout.payload_nbytes == payload
+
+
+def test_layout_is_reused_until_a_shape_or_key_changes() -> None:
+    packer = StepPacker()
+    keys, tensors = _step(0)
+    first, _ = packer.plan(keys, tensors)
+    same, new = packer.plan(*_step(1))
+    assert same is first and not new
+    changed, new = packer.plan(keys, [*tensors[:-1], torch.randn(5)])  # a buffer changed shape
+    assert new and changed is not None and first is not None and changed.id != first.id
+    fewer, new = packer.plan(keys[1:], tensors[1:])  # a parameter without a gradient this step
+    assert new and fewer is not None and fewer.id != changed.id
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tensors_on_two_devices_are_not_packed_together() -> None:
+    layout, _ = StepPacker().plan([("a", "x"), ("b", "x")], [torch.ones(2), torch.ones(2, device="cuda")])
+    assert layout is None
+
+
+def test_known_layouts_are_bounded_and_forget_the_oldest() -> None:
+    known: dict[int, object] = {}
+    for lid in range(1, KNOWN_LAYOUTS + 11):
+        remember(known, lid, lid)
+    assert len(known) == KNOWN_LAYOUTS and min(known) == 11 and max(known) == KNOWN_LAYOUTS + 10
