@@ -10,6 +10,8 @@ window.
 
     python bench/faststep.py                      # ~5 min on 2 cores; bench/results/faststep.json, docs page
     python bench/faststep.py --smoke --out-dir /tmp/x
+    python bench/faststep.py --blocks 41 --width 512 --compressors topk --out-name faststep-10m \
+        --docs docs/measurements/faststep-10m.md       # 10.8M parameters: the added CPU at the issue's size
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def main() -> None:
     ap.add_argument("--persistence", nargs="+", default=list(PERSISTENCE), choices=PERSISTENCE)
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "measurements" / "faststep.md")
+    ap.add_argument("--out-name", default="faststep", help="results file name in --out-dir, without .json")
     ap.add_argument("--render", type=Path, help="only rewrite the page from this results JSON")
     args = ap.parse_args()
     if args.render:
@@ -187,7 +190,7 @@ def main() -> None:
         args.docs = args.out_dir / "faststep.md"
     res = run(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "faststep.json").write_text(json.dumps(res, indent=1))
+    (args.out_dir / f"{args.out_name}.json").write_text(json.dumps(res, indent=1))
     args.docs.write_text(markdown(res))
     print(markdown(res))
 

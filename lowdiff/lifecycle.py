@@ -33,6 +33,9 @@ OPEN: weakref.WeakSet[LowDiffOptimizer] = weakref.WeakSet()
 SIGTERM_EXIT = 128 + signal.SIGTERM
 """The exit status of a trainer that lowdiff's SIGTERM handler stopped (what a shell reports for SIGTERM)."""
 _terminated = False
+_deferred = 0
+MAX_DEFERRALS = 200
+"""How many times (5 ms apart) SIGTERM waits for the main thread to leave lowdiff's code."""
 
 
 class Terminated(SystemExit):
@@ -52,11 +55,13 @@ def _inside_lowdiff(frame: Any) -> bool:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    global _terminated
-    if _inside_lowdiff(frame):
+    global _terminated, _deferred
+    if _inside_lowdiff(frame) and _deferred < MAX_DEFERRALS:
         # Not in the middle of lowdiff's bookkeeping (a step staged but not held, a record sealed but not handed
-        # over): the signal comes back in 5 ms, until the main thread is in the user's code.
-        threading.Timer(0.005, signal.raise_signal, (signal.SIGTERM,)).start()
+        # over): the signal comes back to the main thread in 5 ms (interrupting a sleep or a blocking call there),
+        # until the main thread is in the user's code; after 1 s of that, it is taken wherever the thread is.
+        _deferred += 1
+        threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM)).start()
         return
     _terminated = True
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once

@@ -336,3 +336,31 @@ def test_parameters_with_gradients_changing_every_step_are_exact(tmp_path: Path)
     for k in (1, 2, KNOWN_LAYOUTS + 1, steps):
         rec = lowdiff.recover(tmp_path / "run", step=k, workers=1)
         assert all(torch.equal(v, rec.model[n]) for n, v in refs[k].items()), k
+
+
+SIGTERM_INSIDE_LOWDIFF = """
+import os, signal, sys, time, torch, lowdiff
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+    "run_dir": sys.argv[1], "compressor": {"name": "none"}, "snapshot": {"every_steps": 100},
+    "log": {"batch_steps": 16, "persistence": sys.argv[2]}})
+# Called from inside opt.step(): SIGTERM arrives while the main thread is in lowdiff, and is deferred.
+opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGTERM) if opt.step_count == 4 else None)
+for _ in range(5):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("SLEEPING", flush=True)
+time.sleep(120)  # the deferred SIGTERM must interrupt this, not wait for it
+"""
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_sigterm_that_arrives_inside_lowdiff_still_ends_a_sleeping_trainer(tmp_path: Path, persistence: str) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_INSIDE_LOWDIFF, str(tmp_path / "run"), persistence],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert lowdiff.recover(tmp_path / "run", workers=1).step == 5  # every returned step flushed
