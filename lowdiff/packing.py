@@ -51,13 +51,11 @@ class StepLayout:
 
 @dataclass
 class PackedStep:
-    """A step's payloads and changed buffers in ``buf`` (uint8) as ``layout`` places them. ``new``: the layout is
-    first used by this record (a persistence process learns it with it); ``handle``: where the buffer lives for
-    the sink that gave it (a ring slot's ids), None for a private host buffer."""
+    """A step's payloads and changed buffers in ``buf`` (uint8) as ``layout`` places them. ``handle``: where the
+    buffer lives for the writer that gave it (a ring slot's ids), None for a private host buffer."""
 
     buf: torch.Tensor
     layout: StepLayout
-    new: bool
     handle: Any = None
 
 

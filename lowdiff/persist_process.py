@@ -208,7 +208,7 @@ class ProcessWriter:
         if slot is None:
             return None
         pack_host(layout, tensors, slot.buf)
-        return PackedStep(slot.buf, layout, False, slot.handle)
+        return PackedStep(slot.buf, layout, slot.handle)
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""

@@ -146,7 +146,7 @@ class Stager:
         if buffers:
             keys += [("", n) for n in buffers]
             tensors += buffers.values()
-        layout, new = self._packer.plan(keys, tensors)
+        layout, _ = self._packer.plan(keys, tensors)
         if layout is None:
             return None
         self._slots = slots
@@ -154,7 +154,7 @@ class Stager:
         if slot is None:  # the persistence process is gone (its error reaches the caller at the next step)
             return None
         ready = self.copier.pack(layout, tensors, slot.buf)
-        return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, new, slot.handle))
+        return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, slot.handle))
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
                     data: dict[str, Any] | None = None, *, skipped: bool = False) -> Staged[StepRecord]:
