@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from lowdiff.ring import ALIGN
+from lowdiff import ring
+from lowdiff.ring import aligned, copy_region
 
 Key = tuple[str, str]
 Region = tuple[torch.dtype, int, int]
@@ -116,13 +117,9 @@ def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Siz
     regions, offset = [], 0
     for dt, r in index.items():
         regions.append((dt, offset, numels[r]))
-        offset += _aligned(numels[r] * dt.itemsize)
+        offset += aligned(numels[r] * dt.itemsize)
     return StepLayout(lid, list(keys), shapes, regions, places, members, all(len(s) == 1 for _, s in shapes),
                       device, offset, payload)
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def region_parts(layout: StepLayout, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], Region]]:
@@ -142,26 +139,15 @@ def region_view(buf: torch.Tensor, region: Region) -> torch.Tensor:
 def pack_host(layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
     """Copy CPU ``tensors`` into ``buf`` (uint8, at least ``layout.nbytes``): one concatenation per dtype."""
     for parts, region in region_parts(layout, tensors):
-        dst = region_view(buf, region)
-        if len(parts) == 1:
-            dst.copy_(parts[0])
-        else:
-            torch.cat(parts, out=dst)
+        copy_region(parts, region_view(buf, region))
 
 
 def unpack(wire: Wire, buf: torch.Tensor) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """(payloads by parameter and field, changed buffers) of a buffer packed with ``wire``, as views of ``buf``."""
     keys, regions, places = wire
-    views = [region_view(buf, r) for r in regions]
-    used = [0] * len(views)
     grads: dict[str, dict[str, torch.Tensor]] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for (name, field), (r, shape) in zip(keys, places):
-        numel = 1
-        for d in shape:
-            numel *= d
-        t = views[r][used[r]:used[r] + numel].view(shape)
-        used[r] += numel
+    for (name, field), t in zip(keys, ring.unpack([ring.Ref(i) for i in range(len(keys))], regions, places, buf)):
         if name:
             grads.setdefault(name, {})[field] = t
         else:

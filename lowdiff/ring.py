@@ -78,7 +78,7 @@ class RingAllocator:
         return len(self._live)
 
     def alloc(self, nbytes: int) -> tuple[int, int] | None:
-        n = max(_aligned(nbytes), ALIGN)
+        n = max(aligned(nbytes), ALIGN)
         if n > self.capacity:
             return None
         start = self._head
@@ -108,7 +108,8 @@ class RingAllocator:
             self._tail = self._head
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ALIGN."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -156,7 +157,7 @@ def layout(tensors: list[torch.Tensor]) -> Layout:
     regions, offset = [], 0
     for dt, r in index.items():
         regions.append((dt, offset, numels[r]))
-        offset += _aligned(numels[r] * _esize(dt))
+        offset += aligned(numels[r] * _esize(dt))
     return regions, places, offset
 
 
@@ -168,14 +169,15 @@ def pack(tensors: list[torch.Tensor], regions: list[tuple[torch.dtype, int, int]
     """Copy ``tensors`` into ``dst`` (uint8, the allocation) as :func:`layout` placed them: one copy per dtype."""
     for dt, offset, numel in regions:
         parts = [_flat(t) for t in tensors if t.dtype == dt]
-        _copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
+        copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)
 
 
-def _copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
+def copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
+    """Concatenate the 1-D ``parts`` into ``region`` (one copy)."""
     if len(parts) == 1:
         region.copy_(parts[0])
     elif parts:
