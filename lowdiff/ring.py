@@ -177,7 +177,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
-    """Concatenate the 1-D ``parts`` into ``region`` (one copy)."""
+    """Concatenate ``parts`` along their first dimension into ``region`` (one copy; other dimensions equal)."""
     if len(parts) == 1:
         region.copy_(parts[0])
     elif parts:

@@ -147,7 +147,7 @@ class HostCopier:
     def pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> Any:
         """Copy ``tensors`` (all on ``layout.device``) into the host buffer ``buf`` as ``layout`` places them; the
         event the copies complete at (None: complete now). On a GPU, with spare device memory, one concatenation
-        per dtype on the training stream (a private copy: live tensors may change at once) and one copy per dtype
+        per region on the training stream (a private copy: live tensors may change at once) and one copy per region
         into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous."""
         if layout.device.type != "cuda" or not self.asynchronous:
             if layout.device.type != "cpu":
@@ -161,14 +161,14 @@ class HostCopier:
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             if spare:
-                for flat, (_, region) in zip(flats, parts):
-                    region_view(buf, region).copy_(flat, non_blocking=True)
+                for flat, (_, r) in zip(flats, parts):
+                    region_view(buf, layout, r).copy_(flat, non_blocking=True)
                     flat.record_stream(self.stream)
             else:  # no room for a private copy on the device: read the tensors themselves, training waits below
-                for p, region in parts:
-                    dst, at = region_view(buf, region), 0
+                for p, r in parts:
+                    dst, at = region_view(buf, layout, r, flat=True), 0
                     for t in p:
-                        dst[at:at + t.numel()].copy_(t, non_blocking=True)
+                        dst[at:at + t.numel()].copy_(t.reshape(-1), non_blocking=True)
                         at += t.numel()
         event = torch.cuda.Event()
         event.record(self.stream)

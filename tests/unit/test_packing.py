@@ -57,3 +57,23 @@ def test_known_layouts_are_bounded_and_forget_the_oldest() -> None:
     for lid in range(1, KNOWN_LAYOUTS + 11):
         remember(known, lid, lid)
     assert len(known) == KNOWN_LAYOUTS and min(known) == 11 and max(known) == KNOWN_LAYOUTS + 10
+
+
+def test_tensors_of_every_shape_and_stride_read_back_bit_for_bit() -> None:
+    """Regions group tensors by dtype and row shape; 0-d tensors, zero-size dimensions, transposed and sliced
+    (non-contiguous) tensors and several row shapes of one dtype all come back exactly, each in its shape."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(6, 4, generator=g), torch.randn(4, 6, generator=g).t(), torch.randn(3, 5, generator=g),
+               torch.tensor(2.5), torch.randn(9, generator=g)[::2], torch.empty(2, 0), torch.empty(0, 4),
+               torch.randn(2, 3, 4, generator=g), torch.randint(0, 9, (5, 4), generator=g), torch.tensor(7),
+               torch.randn(1, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g)[:, 1:3]]
+    keys = [(f"p{i}", "x") for i in range(len(tensors))]
+    layout, _ = StepPacker().plan(keys, tensors)
+    assert layout is not None
+    assert (torch.float32, (4,)) in {(layout.regions[r][0], rows) for r, rows in enumerate(layout.rows)}
+    buf = torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8)
+    pack_host(layout, tensors, buf)
+    grads, _ = unpack(layout.wire, buf)
+    for (name, field), t in zip(keys, tensors):
+        got = grads[name][field]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), name
