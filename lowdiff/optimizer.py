@@ -402,7 +402,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         snapshot, block_s = None, 0.0
         if self._checkpointer.needs_capture(step):
             t_snap = time.perf_counter()
-            snapshot = self._stager.snapshot(step, record.item.data)
+            snapshot = self._stager.snapshot(step, record.item.data, self._checkpointer.slots)
             block_s = time.perf_counter() - t_snap
         self._iteration.hold(Pending(record, snapshot, block_s, apply_s))
 

@@ -189,10 +189,11 @@ class _Session:
             staged, _ = self._take_pending(msg[1])
             staged.release()
         elif kind == "snap":
-            _, step, regions, places, skel, groups, comp_name, extra = msg
+            _, step, regions, places, skel, rng, groups, comp_name, extra = msg
             ring = self.rings["s"][1]
             t = unpack(skel, regions, places, ring.buf)
-            state = SnapshotState(step=step, param_groups=groups, compressor_name=comp_name, extra=extra, **t)
+            state = SnapshotState(step=step, param_groups=groups, compressor_name=comp_name, extra=extra,
+                                  rng=_rng_tensors(rng), **t)
             writer.submit_snapshot(Staged(state, None, lambda: self.reporter.free("s", 0, 0)))
         elif kind == "shadow":
             writer.submit_shadow_snapshot(msg[1])
@@ -226,7 +227,7 @@ class _Session:
         assert rid == ring_id, (rid, ring_id)
         grads, buffers = unpack_step(self.layouts[layout_id], ring.buf[offset:offset + nbytes])
         rec = StepRecord(step=step, groups=groups, grads=grads, buffers=buffers, data=data, skipped=skipped,
-                         rng={k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng.items()})
+                         rng=_rng_tensors(rng))
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), keep)
 
     def _take_pending(self, step: int) -> tuple[Staged[StepRecord], bool]:
@@ -272,6 +273,11 @@ class _Session:
                         run_dir.path, durable)
         finally:
             lock.release()
+
+
+def _rng_tensors(rng: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    """RNG states sent as bytes (lowdiff.persist_process), as the uint8 tensors records and snapshots hold."""
+    return {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng.items()}
 
 
 class _NoLock:

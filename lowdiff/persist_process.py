@@ -30,7 +30,7 @@ from typing import Any
 import lowdiff
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.packing import PackedStep, StepPacker, pack_host, remember
-from lowdiff.ring import Arena, RingAllocator, layout, pack, skeleton
+from lowdiff.ring import Arena, RingAllocator
 from lowdiff.staging import Slot, Staged
 from lowdiff.storage.lock import take_persistence_lock
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
@@ -71,6 +71,7 @@ class ProcessWriter:
         self._layouts_sent: dict[int, None] = {}  # the ids the persistence process knows (packing.remember)
         self._records = 0  # records sent and not yet released by the persistence process
         self._snap: Arena | None = None
+        self._snap_id = 0  # which snapshot arena a slot handed out lies in
         self._snap_busy = False
         self._flushed = -1
         self._token = 0
@@ -175,6 +176,29 @@ class ProcessWriter:
         slot = Slot(self._ring.buf[offset:offset + nbytes], (ring_id, aid, offset, state), release)
         return slot
 
+    def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot | None:
+        """The snapshot arena, for the stager to pack a snapshot into (lowdiff.stager.Slots); None when the
+        persistence process is gone. Waits until the previous snapshot is written: one is in flight at a time
+        (CheckFreq), so the arena is free again then."""
+        if not self._wait(lambda: not self._snap_busy):
+            return None
+        if self._snap is None or self._snap.nbytes < nbytes:
+            if self._snap is not None:
+                self._snap.close()
+            self._snap = Arena(max(nbytes, 64))
+            self._snap_id += 1
+            self._send_arena("s", self._snap_id, self._snap)
+        if pinned and not self._snap.pinned:
+            self._snap.pin()
+        self._snap_busy = True
+        snap_id, state = self._snap_id, {"sent": False}
+
+        def release() -> None:  # a snapshot never handed over (its iteration was interrupted): the arena is free
+            if not state["sent"] and snap_id == self._snap_id:
+                self._snap_busy = False
+
+        return Slot(self._snap.buf[:nbytes], (snap_id, state), release)
+
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
         """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended).
         ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
@@ -226,25 +250,20 @@ class ProcessWriter:
         self._send(("drop", step))
 
     def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
-        snap = state.wait()
-        tensors: list[Any] = []
-        skel = skeleton({"params": snap.params, "buffers": snap.buffers, "optimizer_state": snap.optimizer_state,
-                         "compressor_state": snap.compressor_state,
-                         "rank_compressor_state": snap.rank_compressor_state, "rng": snap.rng}, tensors)
-        regions, places, nbytes = layout(tensors)
-        if not self._wait(lambda: not self._snap_busy):  # one snapshot in flight (CheckFreq)
-            state.release()
+        """Hand over a snapshot the stager packed into the snapshot arena (:meth:`alloc_snapshot`)."""
+        snap = state.wait()  # on a GPU: the copies into the arena are complete
+        packed = snap.packed
+        if packed is None or packed.packed.handle is None or packed.packed.handle[0] != self._snap_id:
+            state.release()  # staged without the arena: only when the persistence process is gone
+            if not self._dead:
+                log.error("lowdiff: the snapshot of step %d was not staged into the persistence process's arena; "
+                          "it is not written (recovery replays from the snapshot before it)", snap.step)
             return
-        if self._snap is None or self._snap.nbytes < nbytes:
-            if self._snap is not None:
-                self._snap.close()
-            self._snap = Arena(max(nbytes, 64))
-            self._send_arena("s", 0, self._snap)
-        pack(tensors, regions, self._snap.buf[:nbytes])
-        state.release()
-        self._snap_busy = True
-        self._send(("snap", snap.step, regions, places, skel, snap.param_groups, snap.compressor_name,
-                    snap.extra))
+        packed.packed.handle[1]["sent"] = True
+        where = packed.packed.layout
+        rng = {k: v.numpy().tobytes() for k, v in snap.rng.items()}
+        self._send(("snap", snap.step, where.regions, where.places, packed.skel, rng, snap.param_groups,
+                    snap.compressor_name, snap.extra))
 
     def submit_shadow_snapshot(self, step: int) -> None:
         self._send(("shadow", step))

@@ -3,9 +3,10 @@
 An :class:`Arena` is an anonymous memory file (``memfd_create``) mapped in both processes; its descriptor crosses the
 control socket once (SCM_RIGHTS). The training side carves step records out of it with a :class:`RingAllocator`
 (first in, first out, frees may come out of order), and the stager packs each step into its slot
-(lowdiff.packing); snapshots are packed with :func:`pack`, and the persistence side sees the same bytes as tensor
-views (:func:`unpack`). Nothing here pickles a tensor: a record crosses as a small message plus bytes already in
-the arena.
+(lowdiff.packing); a snapshot is packed into an arena of its own, and the persistence side sees the same bytes as
+tensor views (:func:`unpack`). A record or a snapshot crosses as a small message plus bytes already in the arena;
+the only tensors pickled are a few scalars off the device the rest was packed from (Adam's step counts on the CPU
+beside GPU parameters).
 """
 
 from __future__ import annotations
@@ -125,57 +126,6 @@ class Ref:
         return (Ref, (self.i,))
 
 
-def skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` (dicts, lists, tuples) with every tensor replaced by a :class:`Ref`; the tensors appended."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return Ref(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [skeleton(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(skeleton(v, tensors) for v in obj)
-    return obj
-
-
-Layout = tuple[list[tuple[torch.dtype, int, int]], list[tuple[int, tuple[int, ...]]], int]
-
-
-def layout(tensors: list[torch.Tensor]) -> Layout:
-    """Where :func:`pack` puts ``tensors``: regions (dtype, byte offset, numel), each holding the tensors of one
-    dtype concatenated in list order; per tensor (region index, shape); the bytes in all."""
-    index: dict[torch.dtype, int] = {}
-    numels: list[int] = []
-    places = []
-    for t in tensors:
-        r = index.setdefault(t.dtype, len(index))
-        if r == len(numels):
-            numels.append(0)
-        numels[r] += t.numel()
-        places.append((r, tuple(t.shape)))
-    regions, offset = [], 0
-    for dt, r in index.items():
-        regions.append((dt, offset, numels[r]))
-        offset += aligned(numels[r] * _esize(dt))
-    return regions, places, offset
-
-
-def _esize(dt: torch.dtype) -> int:
-    return dt.itemsize
-
-
-def pack(tensors: list[torch.Tensor], regions: list[tuple[torch.dtype, int, int]], dst: torch.Tensor) -> None:
-    """Copy ``tensors`` into ``dst`` (uint8, the allocation) as :func:`layout` placed them: one copy per dtype."""
-    for dt, offset, numel in regions:
-        parts = [_flat(t) for t in tensors if t.dtype == dt]
-        copy_region(parts, dst[offset:offset + numel * _esize(dt)].view(dt))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.reshape(-1)
-
-
 def copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
     """Concatenate ``parts`` along their first dimension into ``region`` (one copy; other dimensions equal)."""
     if len(parts) == 1:
@@ -187,7 +137,7 @@ def copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
 def unpack(skel: Any, regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]],
            src: torch.Tensor) -> Any:
     """The object :func:`skeleton` was given, its tensors now views into ``src`` (the allocation's bytes)."""
-    views = [src[offset:offset + numel * _esize(dt)].view(dt) for dt, offset, numel in regions]
+    views = [src[offset:offset + numel * dt.itemsize].view(dt) for dt, offset, numel in regions]
     used = [0] * len(views)
     placed: list[torch.Tensor] = []
     for r, shape in places:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lowdiff import ring
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.compressors.base import Compressor
@@ -47,10 +48,26 @@ class StepCopies:
 
 
 class Slots(Protocol):
-    """Where packed steps go: the writer's host buffers (lowdiff.staging.HostSlots) or a persistence process's
-    ring (lowdiff.persist_process.ProcessWriter)."""
+    """Where packed steps and snapshots go: the writer's host buffers (lowdiff.staging.HostSlots) or a
+    persistence process's ring and snapshot arena (lowdiff.persist_process.ProcessWriter). None: the writer is
+    gone (its error reaches the caller at the next step)."""
 
     def alloc(self, nbytes: int, pinned: bool) -> Slot | None: ...
+
+    def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot | None: ...
+
+
+SNAPSHOT_SECTIONS = ("params", "buffers", "optimizer_state", "compressor_state", "rank_compressor_state")
+"""The fields of a SnapshotState whose tensors are live state, packed together by :meth:`Stager.snapshot`."""
+
+
+@dataclass
+class PackedSnapshot:
+    """A snapshot's live-state tensors packed into one writer slot: ``skel`` is the SNAPSHOT_SECTIONS of the state
+    with each tensor replaced by a :class:`lowdiff.ring.Ref` to its place in ``packed``."""
+
+    packed: PackedStep
+    skel: dict[str, Any]
 
 
 class Stager:
@@ -75,6 +92,7 @@ class Stager:
         self._snapshot_pool = HostPool()
         self._buffer_last: dict[str, torch.Tensor] = {}
         self._packer = StepPacker()
+        self._snapshot_packer = StepPacker()
         self._slots: Slots | None = None
         self._unfinished: StepCopies | None = None  # packed by copy_step, not yet a record (finish_step)
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
@@ -89,7 +107,7 @@ class Stager:
     @property
     def snapshots_reused(self) -> int:
         """Snapshots staged into the host buffers of an earlier one so far."""
-        return self._snapshot_pool.reused
+        return self._snapshot_pool.reused + getattr(self._slots, "snapshots_reused", 0)
 
     def remember_buffers(self) -> None:
         """Take the buffers' values now as the baseline the next records' changed buffers are found against."""
@@ -166,9 +184,12 @@ class Stager:
                             rng=self._rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
         return Staged(record, copies.ready, copies.release)
 
-    def snapshot(self, step: int, data: dict[str, Any] | None = None) -> Staged[SnapshotState]:
+    def snapshot(self, step: int, data: dict[str, Any] | None = None,
+                 slots: Slots | None = None) -> Staged[SnapshotState]:
         """Copy the full state this rank owns off the live tensors (the snapshot phase; persisting happens in the
-        background). On a GPU the copies are in flight when this returns."""
+        background). On a GPU the copies are in flight when this returns. With ``slots`` (the writer's), they are
+        packed into one of its buffers (lowdiff.packing: one copy per region), which the snapshot's tensors are
+        then views of; ``state.packed`` says where (a :class:`PackedSnapshot`)."""
         sd = self.optimizer.state_dict()
         order = [n for n, _ in self.spec.optimized]
         owned = self.owned
@@ -195,16 +216,46 @@ class Stager:
             extra={"data": dict(data or {})},
         )
         # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
-        slots: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
-        slots += [(state.buffers, n) for n in state.buffers]
+        if slots is not None:
+            packed = self._pack_snapshot(state, slots)
+            if packed is not None:
+                return packed
+        live: list[tuple[dict[str, Any], str]] = [(state.params, n) for n in state.params]
+        live += [(state.buffers, n) for n in state.buffers]
         for d in (*state.optimizer_state.values(), *state.compressor_state.values(),
                   *state.rank_compressor_state.values()):
-            slots += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
-        host, ready, release = self.copier.stage([d[k] for d, k in slots], [True] * len(slots),
+            live += [(d, k) for k, v in d.items() if isinstance(v, torch.Tensor)]
+        host, ready, release = self.copier.stage([d[k] for d, k in live], [True] * len(live),
                                                  pool=self._snapshot_pool)
-        for (d, k), t in zip(slots, host):
+        for (d, k), t in zip(live, host):
             d[k] = t
         return Staged(state, ready, release)
+
+    def _pack_snapshot(self, state: SnapshotState, slots: Slots) -> Staged[SnapshotState] | None:
+        """``state``'s live tensors packed into a writer slot (None: the writer is gone). One copy per region
+        instead of a host copy per tensor and, in a persistence process, a second copy into its snapshot arena."""
+        device = torch.device("cuda", self._cuda_devices[0]) if self._cuda_devices else torch.device("cpu")
+        tensors: list[torch.Tensor] = []
+        skel = _skeleton({k: getattr(state, k) for k in SNAPSHOT_SECTIONS}, tensors, device)
+        layout, _ = self._snapshot_packer.plan([("", "")] * len(tensors), tensors)
+        if layout is None:
+            return None
+        # In a persistence process this waits until the previous snapshot is written (one in flight, CheckFreq).
+        slot = slots.alloc_snapshot(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
+        if slot is None:
+            return None
+        try:
+            with torch.no_grad():
+                ready = self.copier.pack(layout, tensors, slot.buf)
+        except BaseException:
+            if slot.release is not None:
+                slot.release()  # a persistence process's arena would otherwise stay taken for good
+            raise
+        self._slots = slots
+        for k, v in ring.unpack(skel, layout.regions, layout.places, slot.buf).items():
+            setattr(state, k, v)
+        state.packed = PackedSnapshot(PackedStep(slot.buf, layout, slot.handle), skel)
+        return Staged(state, ready, slot.release)
 
     def _rng(self) -> dict[str, torch.Tensor]:
         return rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
@@ -219,6 +270,22 @@ class Stager:
             if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
                 self._buffer_last[slot.name] = changed[slot.name] = t.detach().clone()
         return changed
+
+
+def _skeleton(obj: Any, tensors: list[torch.Tensor], device: torch.device) -> Any:
+    """``obj`` with every tensor on ``device`` replaced by a :class:`lowdiff.ring.Ref` (the tensor appended to
+    ``tensors``) and every other one by a host copy: Adam keeps its step counts on the CPU beside GPU parameters,
+    and a model spread over several GPUs has its tensors off the first one copied one by one."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            tensors.append(obj)
+            return ring.Ref(len(tensors) - 1)
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _skeleton(v, tensors, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_skeleton(v, tensors, device) for v in obj)
+    return obj
 
 
 def encode_group(group: Mapping[str, Any]) -> dict[str, Any]:

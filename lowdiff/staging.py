@@ -189,20 +189,32 @@ class Slot:
 
 class HostSlots:
     """The writer thread's slots: pooled host buffers (pinned ones from the caching host allocator when the
-    copies come from a GPU)."""
+    copies come from a GPU). Snapshots have a pool of their own, so a step never takes a snapshot's buffer."""
 
     def __init__(self) -> None:
         self._pool = HostPool()
+        self._snapshot_pool = HostPool()
 
     def alloc(self, nbytes: int, pinned: bool) -> Slot:
-        if pinned:
-            return Slot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None, None)
-        buf = self._pool.take(torch.uint8, nbytes)
-        return Slot(buf, None, lambda: self._pool.give(buf))
+        return _slot(self._pool, nbytes, pinned)
+
+    def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot:
+        return _slot(self._snapshot_pool, nbytes, pinned)
 
     @property
     def reused(self) -> int:
         return self._pool.reused
+
+    @property
+    def snapshots_reused(self) -> int:
+        return self._snapshot_pool.reused
+
+
+def _slot(pool: HostPool, nbytes: int, pinned: bool) -> Slot:
+    if pinned:
+        return Slot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None, None)
+    buf = pool.take(torch.uint8, nbytes)
+    return Slot(buf, None, lambda: pool.give(buf))
 
 
 def _pinned(src: torch.Tensor) -> torch.Tensor:

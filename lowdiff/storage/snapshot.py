@@ -73,6 +73,9 @@ class SnapshotState:
     """RNG state at ``step`` (lowdiff.rng.capture), 1-D uint8 tensors by source name."""
     source: Any = None
     """The FileSet it was read from (None: captured from a live model); names the file in later checks."""
+    packed: Any = None
+    """Staged by the training side into one writer slot (a :class:`lowdiff.stager.PackedSnapshot`): the tensors
+    are views of it; a persistence process hands the slot over instead of copying them (lowdiff.persist_process)."""
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED, *,

@@ -3,6 +3,7 @@ exception) loses no step whose ``opt.step()`` returned: the persistence process 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import json
@@ -364,3 +365,61 @@ def test_sigterm_that_arrives_inside_lowdiff_still_ends_a_sleeping_trainer(tmp_p
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 60
     assert lowdiff.recover(tmp_path / "run", workers=1).step == 5  # every returned step flushed
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_snapshots_whose_optimizer_state_grows_are_exact(tmp_path: Path, persistence: str) -> None:
+    """A branch that gets its first gradient at step 8 adds optimizer state between two snapshots: the snapshot's
+    packed layout changes and grows (a persistence process replaces its snapshot arena), and every snapshot and
+    every step between them recovers the model and the optimizer state exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(6, 6), "b": torch.nn.Linear(6, 4, bias=False)})
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = lowdiff.wrap(inner, model, {
+        "run_dir": str(tmp_path / "run"), "compressor": {"name": "powersgd", "rank": 2},
+        "snapshot": {"every_steps": 3}, "log": {"batch_steps": 2, "persistence": persistence}})
+    refs = {}
+    for k in range(1, 15):
+        x = torch.full((3, 6), float(k))
+        out = model["a"](x) if k < 8 else torch.cat([model["a"](x), model["b"](x)], dim=1)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        refs[k] = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()))
+    opt.close()
+    assert opt.stats is not None and opt.stats.snapshots >= 4 and opt.stats.write_error is None
+    for k in (3, 6, 7, 9, 12, 14):
+        assert_state_equal(*refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
+
+
+def test_an_interrupted_snapshot_iteration_is_not_logged_and_the_run_goes_on(tmp_path: Path) -> None:
+    """The iteration of a snapshot step is interrupted after its snapshot was staged into the persistence
+    process's arena (a scheduler is tracked at the end of the iteration, so it cannot be logged): close() does not
+    wait on that snapshot, the run resumes at the step before, and training and snapshots continue from there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=2)  # tracked at the end of the iteration
+    run = tmp_path / "run"
+    cfg = {"run_dir": str(run), "compressor": {"name": "none"}, "snapshot": {"every_steps": 2},
+           "log": {"batch_steps": 2, "persistence": "process"}}
+    opt = lowdiff.wrap(inner, model, cfg)
+    opt.track(sched, "scheduler")
+    for k in range(1, 3):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if k < 2:
+            sched.step()
+    opt.close(interrupted=True)  # step 2 (a snapshot step) never ended
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, cfg)
+    sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=2)
+    opt.track(sched, "scheduler")
+    assert opt.resume() == 1
+    for _ in range(4):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    opt.close()
+    assert opt.stats is not None and opt.stats.durable_step == 5
