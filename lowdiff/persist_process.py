@@ -348,8 +348,9 @@ class ProcessWriter:
         send_handle(self._conn, arena.fd, self._proc.pid)
 
     def _send(self, msg: Any) -> None:
-        """Send ``msg``; a dead persistence process is recorded (raised by the next ``take_error``), not raised."""
-        self._drain()
+        """Send ``msg``; a dead persistence process is recorded (raised by the next ``take_error``), not raised.
+        Its replies are read once per step (``take_error``) and while waiting, not before every send (a poll
+        per message cost more than the send)."""
         if self._dead:
             self._died()
             return
