@@ -8,7 +8,7 @@ time (``time.thread_time()``) are divided by the ``off`` twin's of the same roun
 reported. A window ends with ``opt.flush()`` (untimed, reported apart), so no writer works during another mode's
 window.
 
-    python bench/faststep.py                      # ~5 min on 2 cores; bench/results/faststep.json, docs page
+    python bench/faststep.py                      # ~4 min on 2 cores; bench/results/faststep.json, docs page
     python bench/faststep.py --smoke --out-dir /tmp/x
     python bench/faststep.py --blocks 41 --width 512 --compressors topk --out-name faststep-10m \
         --docs docs/measurements/faststep-10m.md       # 10.8M parameters: the added CPU at the size
@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off.windows),
                      "overhead": statistics.median(ratio) - 1.0,
                      "overhead_min": min(ratio) - 1.0, "overhead_max": max(ratio) - 1.0,
+                     "overhead_q1": _quartiles(ratio)[0] - 1.0, "overhead_q3": _quartiles(ratio)[1] - 1.0,
+                     "added_cpu_q": [1e3 * q for q in _quartiles(added_cpu)],
                      "added_cpu_ms": 1e3 * statistics.median(added_cpu),
                      "cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in t.windows),
                      "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
@@ -120,6 +122,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "width": args.width, "batch": args.batch, "torch_threads": 1, "torch": torch.__version__,
             "python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
             "load_before": load0, "load_after": os.getloadavg(), "command": " ".join(sys.argv)}
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -138,17 +147,21 @@ def markdown(res: dict[str, Any]) -> str:
         f"{', '.join(f'{x:.2f}' for x in res['load_after'])} after. torch {res['torch']}, Python {res['python']}.",
         "",
         "Overhead: median over rounds of (window step time / the `off` twin's in the same round) - 1, with the "
-        "range over rounds. Added CPU: training-thread `time.thread_time()` per step minus the `off` twin's "
-        "(median over rounds).",
+        "quartiles and the range over rounds. Added CPU: training-thread `time.thread_time()` per step minus the "
+        "`off` twin's in the same round (median, and quartiles, over rounds).",
         "",
-        "| mode | step ms | off step ms | overhead | range | training-thread CPU ms/step | added CPU ms/step | "
-        "flush ms | blocked s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | step ms | off step ms | overhead | quartiles | range | training-thread CPU ms/step | "
+        "added CPU ms/step | added CPU quartiles | flush ms | blocked s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
+        q = r.get("added_cpu_q")
         lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['off_step_ms']:.1f} | {100 * r['overhead']:+.1f} % | "
-                     f"{100 * r['overhead_min']:+.1f} .. {100 * r['overhead_max']:+.1f} % | {r['cpu_ms']:.1f} | "
-                     f"{r['added_cpu_ms']:+.2f} | {r['flush_ms']:.1f} | {r['blocked_s']:.2f} |")
+                     + (f"{100 * r['overhead_q1']:+.1f} .. {100 * r['overhead_q3']:+.1f} % | " if "overhead_q1" in r
+                        else "| ")
+                     + f"{100 * r['overhead_min']:+.1f} .. {100 * r['overhead_max']:+.1f} % | {r['cpu_ms']:.1f} | "
+                     f"{r['added_cpu_ms']:+.2f} | " + (f"{q[0]:+.2f} .. {q[1]:+.2f} | " if q else "| ")
+                     + f"{r['flush_ms']:.1f} | {r['blocked_s']:.2f} |")
     met = [r["mode"] for r in res["rows"] if 100 * r["overhead"] <= BARS[r["mode"].split("-")[0]]]
     missed = [r["mode"] for r in res["rows"] if r["mode"] not in met]
     lines += [
@@ -166,8 +179,10 @@ def markdown(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds: checks the script runs")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--window", type=int, default=32)
+    # Many short windows: with 8 windows of 32 steps, one run's medians swung by 10-20 points on the shared
+    # machine (a round's ratio ranged from -32 % to +43 %); quartiles over 24 rounds say how stable a median is.
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--width", type=int, default=128)
