@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
                      "flush_ms": 1e3 * statistics.median(w["flush_s"] for w in t.windows),
                      "own_cpu_ms": 1e3 * (t.own_cpu_s() - off.own_cpu_s()),
-                     "blocked_s": st.blocked_s if st else 0.0, "write_error": st.write_error if st else None})
+                     "blocked_s": st.blocked_s if st else 0.0, "write_error": st.write_error if st else None,
+                     "windows": t.windows, "off_windows": off.windows})
     for t in twins:
         t.opt.close()
     return {"rows": rows, "params": n_params, "rounds": args.rounds, "window": args.window, "warmup": args.warmup,
