@@ -179,9 +179,12 @@ class ProcessWriter:
     def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot | None:
         """The snapshot arena, for the stager to pack a snapshot into (lowdiff.stager.Slots); None when the
         persistence process is gone. Waits until the previous snapshot is written: one is in flight at a time
-        (CheckFreq), so the arena is free again then."""
+        (CheckFreq), so the arena is free again then; that wait counts as back-pressure (``stats.blocked_s``)."""
+        t0 = time.perf_counter()
         if not self._wait(lambda: not self._snap_busy):
             return None
+        if self._ready:
+            self.stats.blocked_s += time.perf_counter() - t0
         if self._snap is None or self._snap.nbytes < nbytes:
             if self._snap is not None:
                 self._snap.close()

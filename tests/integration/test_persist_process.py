@@ -423,3 +423,22 @@ def test_an_interrupted_snapshot_iteration_is_not_logged_and_the_run_goes_on(tmp
         sched.step()
     opt.close()
     assert opt.stats is not None and opt.stats.durable_step == 5
+
+
+def test_waiting_for_the_previous_snapshot_counts_as_backpressure(tmp_path: Path) -> None:
+    """With a slow disk, a snapshot step waits until the persistence process has written the snapshot before (one
+    is in flight at a time): that wait shows in opt.stats.blocked_s, where the back-pressure warning reads it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=0.3):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 1},
+            "log": {"batch_steps": 100, "persistence": "process"}})
+    opt.flush()
+    for _ in range(4):  # the records fit in the ring: only the snapshots can make a step wait
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    st = opt.stats
+    assert st is not None and st.blocked_s > 0.4, st
+    opt.close()
