@@ -47,7 +47,9 @@ class ShadowReplica:
             apply_step(self.optimizer, self.params, record.groups, grads, "cpu")
             for p in self.params.values():
                 p.grad = None
-        self.buffers.update(record.buffers)
+        # Copies: a record's tensors are views of a host slot (or a ring slot of the persistence process) that is
+        # reused for a later step once the record is written.
+        self.buffers.update({n: t.clone() for n, t in record.buffers.items()})
         self.groups = [dict(g) | {"params": names} for g, names in zip(record.groups, self.manifest.param_groups)]
         rng = getattr(record, "rng", None)
         if rng:

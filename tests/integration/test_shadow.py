@@ -14,14 +14,15 @@ from lowdiff.storage.manifest import read_manifest
 from lowdiff.storage.snapshot import read_snapshot
 
 
-def _train(run_dir: Path, steps: int, shadow: bool) -> dict[int, tuple[dict, dict]]:
+def _train(run_dir: Path, steps: int, shadow: bool, *, every: int = 4, batch: int = 3,
+           persistence: str = "thread") -> dict[int, tuple[dict, dict]]:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.2),
                             torch.nn.Linear(16, 4))
     inner = torch.optim.AdamW([{"params": m[0].parameters(), "lr": 1e-2}, {"params": m[3].parameters()}], lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(inner, 2, 0.7)
-    opt = lowdiff.wrap(inner, m, {"run_dir": str(run_dir), "snapshot": {"every_steps": 4, "shadow": shadow},
-                                  "log": {"batch_steps": 3}})
+    opt = lowdiff.wrap(inner, m, {"run_dir": str(run_dir), "snapshot": {"every_steps": every, "shadow": shadow},
+                                  "log": {"batch_steps": batch, "persistence": persistence}})
     refs = {}
     for s in range(1, steps + 1):
         loss = m(torch.randn(32, 8)).pow(2).mean()
@@ -55,6 +56,22 @@ def test_shadow_snapshots_equal_live_state(tmp_path: Path) -> None:
     assert rec.step == 13 and rec.report.snapshot_step == 12
     for k, v in refs[13][0].items():
         assert torch.equal(v, rec.model[k])
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_shadow_snapshots_keep_their_own_buffers(tmp_path: Path, persistence: str) -> None:
+    """A record's changed buffers (BatchNorm's running stats) are views of a host slot that goes back to the pool,
+    or the ring, once its segment is written and is then reused for a later step: the replica must keep copies,
+    or a snapshot written after that reuse holds a later step's buffers. Segments end exactly at snapshot steps
+    here, so every slot is released before the snapshot of its step is written."""
+    refs = _train(tmp_path / "run", 13, shadow=True, every=3, batch=3, persistence=persistence)
+    manifest = read_manifest(tmp_path / "run")
+    snaps = list_snapshots(tmp_path / "run")
+    assert {3, 6, 9, 12} <= set(snaps)
+    for step in (3, 6, 9, 12):
+        st = read_snapshot(snaps[step], manifest)
+        for k, v in refs[step][0].items():
+            assert torch.equal(v, st.params.get(k, st.buffers.get(k))), (step, k)
 
 
 def test_shadow_requires_compressor_none(tmp_path: Path) -> None:
