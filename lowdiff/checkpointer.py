@@ -42,6 +42,9 @@ class CheckpointStats:
     """Time the writer spent writing and committing files."""
     blocked_s: float
     """Time training waited because the writer's queue was full (the disk is slower than the log grows)."""
+    steps_skipped: int
+    """``log.when_behind: replica``: steps left out of the log because the disk was behind (a snapshot of the
+    persistence process's replica covers each of them); 0 otherwise."""
     queued: int
     """Items waiting in the writer's queue now."""
     every_steps: int
@@ -114,7 +117,8 @@ class Checkpointer:
         self._writer = cls(self.run_dir, batch_steps=self.policy.batch_steps,
                            codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
                            compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
-                           retention=self.retention, durable_step=durable_step, shadow=shadow)
+                           retention=self.retention, durable_step=durable_step, shadow=shadow,
+                           when_behind=cfg.log.when_behind)
 
     @property
     def slots(self) -> Any:
@@ -138,7 +142,7 @@ class Checkpointer:
         return CheckpointStats(
             durable_step=self.durable_step, steps_committed=st.log_steps, segments=st.segments,
             snapshots=st.snapshots, log_bytes=st.log_bytes, snapshot_bytes=st.snapshot_bytes, write_s=st.write_s,
-            blocked_s=st.blocked_s, queued=self._writer.queued if self._writer else 0,
+            blocked_s=st.blocked_s, steps_skipped=st.steps_skipped, queued=self._writer.queued if self._writer else 0,
             every_steps=pol.every_steps, batch_steps=pol.batch_steps, last_snapshot_step=pol.last_snapshot_step,
             shadow=bool(self._writer and self._writer.shadow_ok), tuner_probing=pol.probing, tuner_settled=pol.settled,
             tuner_decisions=pol.decisions,

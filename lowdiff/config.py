@@ -24,6 +24,7 @@ CODECS = ("none", "lz4", "zstd", "shuffle-lz4", "shuffle-zstd")
 ON_WRITE_ERROR = ("raise", "warn")
 CAPTURES = ("auto", "layerwise", "step")
 PERSISTENCE = ("thread", "process")
+WHEN_BEHIND = ("wait", "replica")
 AUTO = "auto"
 """The value of ``snapshot.every_steps`` / ``log.batch_steps`` that hands the knob to the tuner."""
 
@@ -134,6 +135,11 @@ class LogConfig:
     """Where records are encoded and written: ``thread`` (a background thread of the training process) or
     ``process`` (a spawned persistence process fed through shared memory, which outlives the trainer: a crash of
     the training process loses no step whose ``opt.step()`` returned; docs/guide/durability.md)."""
+    when_behind: str = "wait"
+    """What happens when the disk falls behind the log: ``wait`` (training waits: back-pressure) or ``replica``
+    (LowDiff+: the persistence process applies every step to its shadow replica and writes a snapshot of it
+    when the disk has room, so training never waits for the disk; steps in between are kept by the process, not
+    on disk; needs ``log.persistence: process`` and ``snapshot.shadow: true``; docs/guide/durability.md)."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("log.batch_steps", self.batch_steps, 1)
@@ -143,6 +149,7 @@ class LogConfig:
         _check_min_int("log.capture_bucket_bytes", self.capture_bucket_bytes, 0)
         _check_number("log.backpressure_warn_s", self.backpressure_warn_s, lambda v: v > 0, "a number > 0")
         _check_choice("log.persistence", self.persistence, PERSISTENCE)
+        _check_choice("log.when_behind", self.when_behind, WHEN_BEHIND)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +203,11 @@ class Config:
             raise ConfigError("config key 'snapshot.shadow' requires 'compressor.name: none' (error-feedback "
                               f"residuals of {self.compressor.name!r} are not in the log); got "
                               f"{self.compressor.name!r}")
+        if self.log.when_behind == "replica" and (self.log.persistence != "process" or not self.snapshot.shadow):
+            raise ConfigError("config key 'log.when_behind: replica' keeps the steps the disk has not taken in the "
+                              "persistence process's shadow replica: it needs 'log.persistence: process' and "
+                              f"'snapshot.shadow: true' (got persistence {self.log.persistence!r}, shadow "
+                              f"{self.snapshot.shadow})")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

@@ -121,7 +121,8 @@ def main(fd: int) -> None:
                           queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
                           durable_step=w["durable_step"], shadow=start["shadow"])
     writer.reporter = reporter
-    session = _Session(conn, writer, reporter, start["trainer_pid"])
+    session = _Session(conn, writer, reporter, start["trainer_pid"], paced=w.get("when_behind") == "replica",
+                       queue_depth=w["queue_depth"])
     reporter.send(("ready",))
     code = 0
     try:
@@ -143,7 +144,8 @@ def main(fd: int) -> None:
 
 
 class _Session:
-    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter, trainer_pid: int) -> None:
+    def __init__(self, conn: Connection, writer: _ChildWriter, reporter: _Reporter, trainer_pid: int, *,
+                 paced: bool = False, queue_depth: int = 1) -> None:
         self.conn = conn
         self.trainer_pid = trainer_pid
         self.writer = writer
@@ -151,6 +153,21 @@ class _Session:
         self.rings: dict[str, tuple[int, Arena]] = {}
         self.pending: tuple[Staged[StepRecord], bool] | None = None
         self.layouts: dict[int, Any] = {}
+        self.paced = paced and writer.shadow is not None
+        """``log.when_behind: replica`` (LowDiff+): this thread applies every record to the replica as it arrives
+        and logs it only when the writer has room; otherwise the step lives in the replica until a snapshot of the
+        replica is written (:meth:`_bridge`)."""
+        if self.paced:
+            writer.apply_shadow = False
+        self.gap = False
+        """Records were left out of the log since the last snapshot of the replica was queued."""
+        self.bridging = False
+        """A snapshot of the replica is queued and not yet written (one at a time: each is a copy of the state)."""
+        self.queue_depth = queue_depth
+        self.held = 0
+        """Records given to the writer and not yet written: each holds its ring slot, and the trainer waits once
+        (queue_depth + 1) x batch_steps + 2 are in flight, so a paced process keeps fewer than that."""
+        self._held_lock = threading.Lock()
 
     def serve(self) -> bool:
         """Handle messages until ``close`` (True) or until the training process is gone (False)."""
@@ -184,7 +201,7 @@ class _Session:
             staged, _ = self._take_pending(step)
             staged.item.data = data
             staged.item.end_groups = end_groups
-            writer.submit_record(staged)
+            self.submit(staged)
         elif kind == "drop":
             staged, _ = self._take_pending(msg[1])
             staged.release()
@@ -196,10 +213,14 @@ class _Session:
                                   rng=_rng_tensors(rng), **t)
             writer.submit_snapshot(Staged(state, None, lambda: self.reporter.free("s", 0, 0)))
         elif kind == "shadow":
-            writer.submit_shadow_snapshot(msg[1])
+            if self.paced:
+                self.periodic_snapshot(msg[1])
+            else:
+                writer.submit_shadow_snapshot(msg[1])
         elif kind == "batch":
             writer.set_batch_steps(msg[1])
         elif kind == "flush":
+            self.close_gap()
             writer.flush()
             self.reporter.send(("flushed", msg[1]))
         elif kind == "arena":
@@ -236,6 +257,81 @@ class _Session:
         p, self.pending = self.pending, None
         return p
 
+    # -- log.when_behind: replica -------------------------------------------------------------------------------
+
+    def submit(self, staged: Staged[StepRecord]) -> None:
+        """A record whose iteration has ended: to the log, or (paced, the writer behind) to the replica only."""
+        writer = self.writer
+        if not self.paced:
+            writer.submit_record(staged)
+            return
+        rec = staged.item
+        try:
+            writer.shadow.apply(rec)
+        except BaseException as e:
+            self._replica_failed(rec.step, e)
+            writer.submit_record(staged)
+            return
+        if not self.gap and self.held < self.queue_depth * writer.batch_steps and writer.room() >= 1:
+            self._track(staged)
+            writer.submit_record(staged)
+            return
+        # The disk is behind: the step lives in the replica (training does not wait), and the log resumes after
+        # the next snapshot of the replica, which covers it.
+        self.gap = True
+        writer.stats.steps_skipped += 1
+        staged.release()
+        if not self.bridging and writer.room() >= 2:
+            self._bridge()
+
+    def _track(self, staged: Staged[StepRecord]) -> None:
+        fn = staged.release_fn
+        with self._held_lock:
+            self.held += 1
+
+        def release() -> None:  # on the writer's thread, once the record is written (or dropped)
+            with self._held_lock:
+                self.held -= 1
+            if fn is not None:
+                fn()
+
+        staged.release_fn = release
+
+    def periodic_snapshot(self, step: int) -> None:
+        """The trainer's snapshot step (the replica has applied it): a snapshot of the replica if the writer has
+        room; skipped when the disk is behind (the next one, or the snapshot that closes a gap, takes its place)."""
+        writer = self.writer
+        if writer.shadow_ok and writer.shadow.step == step and not self.bridging and writer.room() >= 2:
+            self._bridge()
+
+    def close_gap(self) -> None:
+        """Before a flush and when the trainer is gone: the steps only the replica holds go to disk as a snapshot
+        of it (waiting for the writer if need be)."""
+        if self.paced and self.gap:
+            if self.writer.shadow_ok:
+                self._bridge()
+            else:
+                log.error("lowdiff: the shadow replica failed; the steps left out of the log since the last "
+                          "snapshot are not on disk")
+
+    def _bridge(self) -> None:
+        """Queue a snapshot of the replica as it is now: a copy, since this thread goes on applying steps."""
+        writer = self.writer
+        state = _owned_copy(writer.shadow.snapshot())
+        self.bridging, self.gap = True, False
+
+        def written() -> None:
+            self.bridging = False
+
+        writer.cut()  # the records before the gap form a segment of their own
+        writer.submit_snapshot(Staged(state, None, written))
+
+    def _replica_failed(self, step: int, e: BaseException) -> None:
+        self.writer.shadow_ok = False  # reported with the next status: the trainer captures snapshots again
+        self.paced = False
+        log.error("lowdiff: shadow replica failed at step %d (%s); the log waits for the disk again%s", step, e,
+                  "; the steps left out of the log before it are not on disk" if self.gap else "")
+
     def orphaned(self, run_dir: RunDir) -> None:
         """The training process is gone: commit what it handed over, under the writer lock, and return."""
         writer = self.writer
@@ -261,18 +357,35 @@ class _Session:
                 if keep:
                     # Nothing tracked changes after opt.step(): the iteration's end state is the step's own.
                     staged.item.end_groups = staged.item.groups
-                    writer.submit_record(staged)
+                    self.submit(staged)
                 else:
                     log.warning("lowdiff: the trainer died during iteration %d, after its opt.step() but before "
                                 "the iteration ended (objects tracked at='end' unknown); not logged, a resume "
                                 "redoes it", staged.item.step)
                     staged.release()
+            self.close_gap()  # the steps only the replica holds: a last snapshot of it
             durable = writer.flush()
             writer.close()
             log.warning("lowdiff: the trainer of %s is gone; the persistence process committed up to step %d",
                         run_dir.path, durable)
         finally:
             lock.release()
+
+
+def _owned_copy(state: SnapshotState) -> SnapshotState:
+    """``state`` with every tensor copied (a replica's snapshot holds its live tensors)."""
+
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().clone()
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        return obj
+
+    return dataclasses.replace(state, params=copy(state.params), buffers=copy(state.buffers),
+                               optimizer_state=copy(state.optimizer_state),
+                               compressor_state=copy(state.compressor_state), rng=copy(state.rng),
+                               extra=dict(state.extra))
 
 
 def _rng_tensors(rng: dict[str, bytes]) -> dict[str, torch.Tensor]:

@@ -54,7 +54,8 @@ class ProcessWriter:
     ``opt.step()`` returns and :meth:`drop` for an iteration that an exception interrupted."""
 
     def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 retention: RetentionPolicy, durable_step: int, shadow: Any = None) -> None:
+                 retention: RetentionPolicy, durable_step: int, shadow: Any = None,
+                 when_behind: str = "wait") -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.stats = WriterStats()
@@ -106,7 +107,7 @@ class ProcessWriter:
             "compressor_params": run_dir.compressor_params, "run_id": run_dir.run_id,
             "writer": {"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
                        "queue_depth": queue_depth, "retention": retention.keep_snapshots,
-                       "durable_step": durable_step},
+                       "durable_step": durable_step, "when_behind": when_behind},
             "shadow": shadow, "log_level": logging.getLogger("lowdiff").getEffectiveLevel(),
             "trainer_pid": os.getpid()})
         self.start_s = time.perf_counter() - t0

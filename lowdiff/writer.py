@@ -34,6 +34,9 @@ class WriterStats:
     write_s: float = 0.0
     blocked_s: float = 0.0
     """Time the training thread waited because the queue was full (the disk is slower than training)."""
+    steps_skipped: int = 0
+    """``log.when_behind: replica``: records left out of the log because the disk was behind; a snapshot of the
+    replica written after them covers them."""
 
 
 @dataclass
@@ -66,7 +69,8 @@ class BackgroundWriter:
     copies, persists them through ``run_dir`` and releases them."""
 
     def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
-                 retention: RetentionPolicy, durable_step: int, shadow: Any = None) -> None:
+                 retention: RetentionPolicy, durable_step: int, shadow: Any = None,
+                 when_behind: str = "wait") -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
@@ -74,6 +78,9 @@ class BackgroundWriter:
         self.retention = retention
         self.shadow = shadow
         self.shadow_ok = shadow is not None
+        self.apply_shadow = True
+        """Whether this thread applies each record to the replica (a paced persistence process applies them itself,
+        lowdiff.persist_child)."""
         self.stats = WriterStats()
         self.slots = HostSlots()
         """The host buffers the training thread packs step records into (lowdiff.stager.Slots)."""
@@ -106,6 +113,14 @@ class BackgroundWriter:
 
     def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
         self._put(state)
+
+    def room(self) -> int:
+        """Items the queue takes now without blocking."""
+        return max(self._queue.maxsize - self._queue.qsize(), 0)
+
+    def cut(self) -> None:
+        """Write the records queued so far as a segment before what is submitted next (the batch size stays)."""
+        self._put(_SetBatchSteps(self.batch_steps))
 
     @property
     def capacity(self) -> int:
@@ -175,7 +190,7 @@ class BackgroundWriter:
                 item.done.set()
             elif isinstance(item, Staged) and isinstance(item.item, StepRecord):
                 item.wait().unpack()  # a packed record's tensors become views here, off the training thread
-                if self.shadow_ok:
+                if self.shadow_ok and self.apply_shadow:
                     self._apply_shadow(item.item)
                 if self._broken:
                     item.release()

@@ -1,4 +1,5 @@
-"""bench/faststep.py and bench/killtest.py --smoke run end to end (never writing into bench/results/ or docs/)."""
+"""bench/faststep.py, bench/killtest.py and bench/slowdisk.py --smoke run end to end (never writing into
+bench/results/ or docs/)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def test_killtest_smoke(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "killtest.json").read_text())["summary"]
     assert summary["SIGKILL"]["exact"] == summary["SIGKILL"]["reached"] == 2
     assert summary["SIGTERM"]["exact"] == summary["SIGTERM"]["reached"] == 1
+
+
+def test_slowdisk_smoke(tmp_path: Path) -> None:
+    _run("slowdisk.py", "--out-dir", str(tmp_path))
+    res = json.loads((tmp_path / "slowdisk.json").read_text())
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert set(rows) == {"off", "wait", "replica"}
+    assert rows["wait"]["steps_skipped"] == 0 and rows["replica"]["durable_after_close"] == res["steps"]
+    assert (tmp_path / "slowdisk.md").exists()
