@@ -4,7 +4,9 @@ Started by :class:`lowdiff.persist_process.ProcessWriter` with one end of a Unix
 turns each message into a :class:`~lowdiff.storage.segment.StepRecord` or snapshot whose tensors are views of the
 ring, and feeds them to a :class:`~lowdiff.writer.BackgroundWriter` of its own, which batches, encodes, writes,
 fsyncs, applies retention and keeps the shadow replica, exactly as the thread does in the training process.
-Released records free their ring slots (a message back); every commit and failure is reported back.
+Released records free their ring slots (a message back); every commit and failure is reported back. With
+``log.when_behind: replica`` this process applies each record to the shadow replica itself as it arrives and logs
+only what the writer has room for, covering the rest with snapshots of the replica (:meth:`_Session.submit`).
 
 When the training process dies (the socket reaches end of file, or this process is re-parented), it commits every
 record it received, the one whose iteration had not ended included when nothing tracked changes at the end of an
@@ -165,8 +167,8 @@ class _Session:
         """A snapshot of the replica is queued and not yet written (one at a time: each is a copy of the state)."""
         self.queue_depth = queue_depth
         self.held = 0
-        """Records given to the writer and not yet written: each holds its ring slot, and the trainer waits once
-        (queue_depth + 1) x batch_steps + 2 are in flight, so a paced process keeps fewer than that."""
+        """Records given to the writer and not yet written (copies: see :meth:`_own`), at most queue_depth x
+        batch_steps."""
         self._held_lock = threading.Lock()
 
     def serve(self) -> bool:
@@ -273,7 +275,7 @@ class _Session:
             writer.submit_record(staged)
             return
         if not self.gap and self.held < self.queue_depth * writer.batch_steps and writer.room() >= 1:
-            self._track(staged)
+            self._own(staged)
             writer.submit_record(staged)
             return
         # The disk is behind: the step lives in the replica (training does not wait), and the log resumes after
@@ -284,18 +286,23 @@ class _Session:
         if not self.bridging and writer.room() >= 2:
             self._bridge()
 
-    def _track(self, staged: Staged[StepRecord]) -> None:
-        fn = staged.release_fn
+    def _own(self, staged: Staged[StepRecord]) -> None:
+        """A record for the writer, copied out of the ring and its slot given back now. The ring is first in, first
+        out: a record the slow writer held would keep every later slot from being reused, dropped ones included,
+        and training would wait for the disk after all (or for good, with the writer waiting for a batch to
+        fill)."""
+        rec = staged.item
+        rec.grads = {n: {f: t.clone() for f, t in p.items()} for n, p in rec.grads.items()}
+        rec.buffers = {n: t.clone() for n, t in rec.buffers.items()}
+        staged.release()
         with self._held_lock:
             self.held += 1
 
-        def release() -> None:  # on the writer's thread, once the record is written (or dropped)
+        def written() -> None:  # on the writer's thread, once the record is written (or dropped)
             with self._held_lock:
                 self.held -= 1
-            if fn is not None:
-                fn()
 
-        staged.release_fn = release
+        staged.release_fn = written
 
     def periodic_snapshot(self, step: int) -> None:
         """The trainer's snapshot step (the replica has applied it): a snapshot of the replica if the writer has

@@ -1,6 +1,8 @@
 """Shadow snapshots (``snapshot.shadow: true``): a CPU replica that applies every logged step with the same
 optimizer class, in the background writer, so full snapshots are written from it and the training thread
-never copies its state for them (Checkmate's shadow, without a second cluster).
+never copies its state for them (Checkmate's shadow, without a second cluster). With ``log.when_behind: replica``
+the persistence process applies every step to it as the step arrives, logged or not, and writes snapshots of it
+when the disk has room (lowdiff.persist_child).
 
 Bit-exact when training runs on the CPU: the replica executes exactly what replay executes, and replay is
 exact. Training on a GPU would make the CPU replica drift in the last bits, so lowdiff refuses the shadow

@@ -8,6 +8,7 @@ The slow disk is lowdiff.testing.intercept_persistence_process's commit delay.""
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import signal
 from pathlib import Path
 
@@ -38,9 +39,8 @@ def _slow_run(run_dir: Path, scenario: Scenario, steps: int):
         t = start(scenario, run_dir)
     t.opt.flush()  # the persistence process has started: what follows is the slow disk alone
     t.train(1, steps)
-    st = t.opt.stats
     t.opt.close()
-    return t, st
+    return t, t.opt.stats  # after close: the persistence process's last counters have arrived
 
 
 def test_training_does_not_wait_for_a_slow_disk_and_every_kept_step_is_exact(tmp_path: Path, reference) -> None:
@@ -94,3 +94,30 @@ def test_when_behind_replica_needs_a_persistence_process_and_a_shadow(tmp_path: 
             "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
             "snapshot": {"shadow": bad["shadow"]},
             "log": {"persistence": bad["persistence"], "when_behind": "replica"}})
+
+
+def test_records_the_slow_writer_holds_do_not_pin_the_ring(tmp_path: Path) -> None:
+    """1 MB records in a ring of 6 slots (batch_steps 2, queue_depth 1): the ring is first in, first out, so a
+    record the slow writer still holds would block every later slot, dropped ones included, and training would wait
+    for the disk again (or for good, with the writer waiting for its batch to fill). The persistence process copies
+    the records it logs out of the ring."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512, bias=False)
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=DELAY_S):
+        opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+            "snapshot": {"every_steps": 1000, "shadow": True},
+            "log": {"batch_steps": 2, "queue_depth": 1, "persistence": "process", "when_behind": "replica"}})
+    opt.flush()
+    faulthandler.dump_traceback_later(240, exit=True)  # a deadlock fails the run instead of hanging it
+    try:
+        for k in range(1, 61):
+            model(torch.full((4, 512), float(k % 7))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats
+        opt.close()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert st is not None and st.blocked_s < 0.5 and st.steps_skipped > 0, st
+    assert lowdiff.recover(tmp_path / "run", workers=1).step == 60
