@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -46,7 +48,25 @@ RING_MIN_BYTES = 4 << 20
 
 
 def _send_bytes(conn: Connection, msg: Any) -> None:
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    _whole(conn.send_bytes, data)
+
+
+_HELD_BACK = {signal.SIGTERM, signal.SIGINT}
+
+
+def _whole(io: Any, *args: Any) -> Any:
+    """One message's socket I/O with SIGTERM and SIGINT held back (in the main thread, where their handlers run):
+    a handler that raises in the middle (lowdiff's SIGTERM handler after its deferrals, KeyboardInterrupt) would
+    leave half a message on the socket, or a message taken off a queue and never sent (a kill test lost the
+    step whose seal it was). The signal is handled as soon as the message is through."""
+    if threading.current_thread() is not threading.main_thread():
+        return io(*args)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_BACK)
+    try:
+        return io(*args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class ProcessWriter:
@@ -349,7 +369,7 @@ class ProcessWriter:
 
     def _send_arena(self, kind: str, ring_id: int, arena: Arena) -> None:
         self._send(("arena", kind, ring_id, arena.nbytes))
-        send_handle(self._conn, arena.fd, self._proc.pid)
+        _whole(send_handle, self._conn, arena.fd, self._proc.pid)
 
     def _send(self, msg: Any) -> None:
         """Send ``msg``; a dead persistence process is recorded (raised by the next ``take_error``), not raised.
@@ -398,7 +418,9 @@ class ProcessWriter:
 
     def _recv(self, block: bool) -> None:
         try:
-            msg = pickle.loads(self._conn.recv_bytes())
+            if block:
+                self._conn.poll(None)  # waiting may be interrupted (Ctrl-C, SIGTERM); reading a message may not
+            msg = pickle.loads(_whole(self._conn.recv_bytes))
         except (EOFError, OSError):
             self._dead = True
             self._died()

@@ -442,3 +442,64 @@ def test_waiting_for_the_previous_snapshot_counts_as_backpressure(tmp_path: Path
     st = opt.stats
     assert st is not None and st.blocked_s > 0.4, st
     opt.close()
+
+
+STALLED_TRAINER = """
+import os, sys, time, torch, lowdiff
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model, {
+    "run_dir": sys.argv[1], "compressor": {"name": "topk", "ratio": 0.05}, "snapshot": {"every_steps": 1000},
+    "log": {"batch_steps": 16, "persistence": "process"}})
+for k in range(1, 300):
+    model(torch.randn(16, 64, generator=torch.Generator().manual_seed(k))).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    os.write(1, f"{k}\\n".encode())
+time.sleep(120)
+"""
+
+
+def test_sigterm_while_a_step_waits_for_the_starting_persistence_process_loses_no_step(tmp_path: Path) -> None:
+    """While the persistence process still imports torch, the trainer's messages fill the socket and a step waits
+    inside lowdiff. A SIGTERM then is deferred for 1 s and raised where the thread is: it once interrupted a send
+    after the seal of the previous step had been taken off the outbox, and that step was lost (`python
+    bench/killtest.py --kills 0 --terms 30 --seed 7`: 26 and 27 of 30 at the last returned step, always losing step
+    17; 30 of 30 with the fix). Socket I/O now holds SIGTERM back for the length of one message. This test sends
+    SIGTERM during that wait; it reproduces the loss only when the wait outlasts the deferrals (it did not in three
+    runs here without the fix), so it guards the scenario, and the kill test measures it."""
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_TRAINER, str(tmp_path / "run")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        buf, last, quiet_since = b"", 0, None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            chunk = b""
+            try:
+                chunk = os.read(fd, 4096) or b""
+            except BlockingIOError:
+                pass
+            if chunk:
+                buf += chunk
+                lines = buf.split(b"\n")
+                last = int(lines[-2]) if len(lines) > 1 else last
+                quiet_since = time.monotonic()
+            elif last >= 3 and quiet_since is not None and time.monotonic() - quiet_since > 0.1:
+                break  # stalled (or finished): the step after `last` waits inside lowdiff
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        os.set_blocking(fd, True)
+        rest = proc.stdout.read()
+        lines = (buf + rest).split()
+        returned = int(lines[-1]) if lines else 0
+        assert proc.returncode == 143, proc.stderr.read()[-3000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    rec = lowdiff.recover(tmp_path / "run", workers=1)
+    assert returned <= rec.step <= returned + 1, (returned, rec.step)
