@@ -14,8 +14,9 @@ from lowdiff.storage.run_dir import DECISIONS_FILE
 from lowdiff.tuner.auto import AutoTuner
 from lowdiff.tuner.model import Breakdown, Costs, Limits, evaluate, min_batch_steps, young_daly_interval
 from lowdiff.tuner.profiler import PROBE_BATCH_STEPS, PROBE_STEPS, Profiler, WriteFit, fit_write_cost
-from lowdiff.tuner.solve import Decision, format_decisions, inputs_line, solve
+from lowdiff.tuner.solve import CLOSEST_MARGIN, Decision, format_decisions, inputs_line, solve
 
-__all__ = ["AutoTuner", "Breakdown", "Costs", "DECISIONS_FILE", "Decision", "Limits", "PROBE_BATCH_STEPS",
+__all__ = ["AutoTuner", "Breakdown", "CLOSEST_MARGIN", "Costs", "DECISIONS_FILE", "Decision", "Limits",
+           "PROBE_BATCH_STEPS",
            "PROBE_STEPS", "Profiler", "WriteFit", "evaluate", "fit_write_cost", "format_decisions", "inputs_line",
            "min_batch_steps", "solve", "young_daly_interval"]

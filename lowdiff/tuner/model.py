@@ -88,7 +88,8 @@ class Limits:
     keep_snapshots: int = 0
     """``snapshot.keep`` (0 = keep all)."""
     max_writer_load: float = 0.8
-    """Headroom: the writer must be busy at most this fraction of the time, or jitter turns into stalls."""
+    """Headroom: the writer must be busy at most this fraction of the time, or jitter turns into stalls (above 1
+    only where the solver looks for the points nearest an unreachable bound)."""
     every_steps: int | None = None
     """Fixed by the user (an int in the config): only B is tuned, among the divisors of F."""
     batch_steps: int | None = None
@@ -106,7 +107,7 @@ class Limits:
         _check("max_log_bytes", self.max_log_bytes, lambda v: v >= 0, ">= 0")
         _check("queue_depth", self.queue_depth, lambda v: v >= 1, ">= 1")
         _check("keep_snapshots", self.keep_snapshots, lambda v: v >= 0, ">= 0")
-        _check("max_writer_load", self.max_writer_load, lambda v: 0 < v <= 1, "in (0, 1]")
+        _check("max_writer_load", self.max_writer_load, lambda v: v > 0, "> 0")
         for name in ("every_steps", "batch_steps"):
             v = getattr(self, name)
             if v is not None:
@@ -114,6 +115,9 @@ class Limits:
         _check("max_batch_steps", self.max_batch_steps, lambda v: v >= 1, ">= 1")
         _check("max_every_steps", self.max_every_steps, lambda v: v >= 1, ">= 1")
         _check("max_buffer_bytes", self.max_buffer_bytes, lambda v: v >= 0, ">= 0")
+
+    def replace(self, **changes: Any) -> Limits:
+        return Limits(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
 
 def memory_batch_cap(costs: Costs, limits: Limits) -> int | None:

@@ -20,6 +20,10 @@ from lowdiff.tuner.model import (
 # Exhaustive search over B up to here, geometric steps beyond: the waste is smooth in B far from B_min.
 _EXHAUSTIVE_BATCH = 128
 
+CLOSEST_MARGIN = 0.25
+"""When no point meets ``max_overhead`` or ``max_writer_load``: the points within this fraction of each bound of
+the closest point's overhead and writer load are taken as equally close, and the one with the least waste wins."""
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -179,8 +183,33 @@ def _best_for_batch(costs: Costs, limits: Limits, b: int) -> Breakdown | None:
 def solve(costs: Costs, limits: Limits) -> Decision:
     """Minimize the expected waste over (F, B), F a multiple of B, subject to the limits.
 
-    When no point meets ``max_overhead`` / ``max_writer_load``, returns the point that comes closest (largest
-    allowed F) with ``feasible=False``; ``max_log_bytes`` is never exceeded if any F allows it."""
+    When no point meets ``max_overhead`` / ``max_writer_load``, returns ``feasible=False`` and, among the points
+    that come closest (within :data:`CLOSEST_MARGIN` of each bound of the closest one), the one with the least
+    waste; ``max_log_bytes`` is never exceeded if any F allows it."""
+    best = _search(costs, limits)
+    closest, searched = None, limits
+    if set(best.violations) - {"max_log_bytes"}:
+        # The closest point is nearly always the largest F: it buys a sliver of overhead when the log itself
+        # breaks the bound (its writes' interference, a disk slower than the log), and a recovery would replay
+        # up to the whole run. Points about as close are as good an answer; among them, the least waste.
+        closest = best
+        searched = limits.replace(
+            max_overhead=min(0.999, max(limits.max_overhead,
+                                        best.overhead_bound + CLOSEST_MARGIN * limits.max_overhead)),
+            max_writer_load=max(limits.max_writer_load, best.writer_load + CLOSEST_MARGIN * limits.max_writer_load))
+        near = _search(costs, searched)
+        best = evaluate(costs, limits, near.every_steps, near.batch_steps)  # its violations of the user's limits
+    yd = young_daly_interval(costs, limits, best.batch_steps)
+    bmin = min_batch_steps(costs, limits)
+    at_bmin = None
+    if bmin is not None and best.batch_steps > bmin and limits.batch_steps is None and limits.every_steps is None:
+        at_bmin = _best_for_batch(costs, searched, bmin)
+    return Decision(best.every_steps, best.batch_steps, best.waste_s_per_hour, best.overhead, best.feasible,
+                    best, costs, limits, yd, bmin, _rationale(costs, limits, best, yd, bmin, at_bmin, closest))
+
+
+def _search(costs: Costs, limits: Limits) -> Breakdown:
+    """The feasible point of least waste, else the point that violates the limits least."""
     best: Breakdown | None = None
     for b in _batch_candidates(costs, limits):
         cand = _best_for_batch(costs, limits, b)
@@ -190,13 +219,7 @@ def solve(costs: Costs, limits: Limits) -> Decision:
             best = cand
     if best is None:  # max_every_steps below every candidate batch size
         best = evaluate(costs, limits, limits.max_every_steps, limits.max_every_steps)
-    yd = young_daly_interval(costs, limits, best.batch_steps)
-    bmin = min_batch_steps(costs, limits)
-    at_bmin = None
-    if bmin is not None and best.batch_steps > bmin and limits.batch_steps is None and limits.every_steps is None:
-        at_bmin = _best_for_batch(costs, limits, bmin)
-    return Decision(best.every_steps, best.batch_steps, best.waste_s_per_hour, best.overhead, best.feasible,
-                    best, costs, limits, yd, bmin, _rationale(costs, limits, best, yd, bmin, at_bmin))
+    return best
 
 
 def _rank(b: Breakdown) -> tuple[float, ...]:
@@ -205,7 +228,8 @@ def _rank(b: Breakdown) -> tuple[float, ...]:
     return (1.0, float("max_log_bytes" in b.violations), b.overhead_bound + b.writer_load, b.waste_fraction)
 
 
-def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None, at_bmin: Breakdown | None) -> str:
+def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None, at_bmin: Breakdown | None,
+               closest: Breakdown | None = None) -> str:
     lam_h = 3600.0 / lim.mtbf_s
     src = "".join(f"\n    ({k}: {v})" for k, v in sorted(c.sources.items()))
     lines = [
@@ -244,8 +268,14 @@ def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None,
             f"per interval, lost work {m.lag_s:.3g} s, replay {m.replay_step_s * 1e3:.3g} ms/step) vs "
             f"{b.waste_s_per_hour:.2f} s/h at B={b.batch_steps}")
     if not b.feasible:
-        lines.append(f"  LIMITS NOT MET ({', '.join(b.violations)}): no (F, B) satisfies them; this is the "
-                     "closest point. Raise tuner.max_overhead, use a faster disk or a smaller log per step")
+        lines.append(f"  LIMITS NOT MET ({', '.join(b.violations)}): no (F, B) satisfies them. Raise "
+                     "tuner.max_overhead, use a faster disk or a smaller log per step")
+        if closest is not None:
+            lines.append(
+                f"  the closest point, every_steps={closest.every_steps} batch_steps={closest.batch_steps}, has "
+                f"overhead {closest.overhead_bound:.3%} (high alpha) and writer load {closest.writer_load:.1%} for "
+                f"{closest.waste_s_per_hour:.2f} s/h of waste; this one, within {CLOSEST_MARGIN:.0%} of each bound "
+                f"of it, has {b.overhead_bound:.3%} and {b.writer_load:.1%}")
     return "\n".join(lines)
 
 

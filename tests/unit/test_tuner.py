@@ -11,6 +11,7 @@ import pytest
 
 from lowdiff import Config, ConfigError
 from lowdiff.tuner import (
+    CLOSEST_MARGIN,
     PROBE_BATCH_STEPS,
     PROBE_STEPS,
     AutoTuner,
@@ -159,6 +160,27 @@ def test_infeasible_limits_are_reported() -> None:
     d = solve(c, Limits(mtbf_s=3600))
     assert not d.feasible and min_batch_steps(c, Limits(mtbf_s=3600)) is None
     assert "LIMITS NOT MET" in d.rationale and "max_writer_load" in d.breakdown.violations
+
+
+def test_unreachable_bound_does_not_push_the_interval_to_the_maximum() -> None:
+    """The log's own writes break max_overhead at every F (here the high estimate of alpha): the largest F comes
+    closest by a sliver and would have a recovery replay the whole run. Costs measured with
+    ``log.when_behind: replica`` and a slow disk, where the tuner chose every_steps=999984."""
+    c = Costs(iteration_s=0.0285, diff_bytes=3.22e6, snapshot_bytes=9.78e6, snapshot_block_s=0.0,
+              write_bytes_per_s=307e6, write_latency_s=0.263, replay_step_s=0.0105,
+              write_interference=0.0, write_interference_high=0.66)
+    lim = Limits(mtbf_s=24 * 3600)
+    d = solve(c, lim)
+    b = d.batch_steps
+    farthest = evaluate(c, lim, lim.max_every_steps // b * b, b)
+    assert not d.feasible and "max_overhead" in d.breakdown.violations
+    assert d.every_steps < lim.max_every_steps // 100
+    assert d.breakdown.overhead_bound <= farthest.overhead_bound + CLOSEST_MARGIN * lim.max_overhead
+    assert d.waste_s_per_hour < farthest.waste_s_per_hour / 10
+    assert "LIMITS NOT MET" in d.rationale and "the closest point" in d.rationale
+    # The same for a log that outruns the disk (the writer load bound): the interval stays a recoverable one.
+    slow = solve(COSTS["slow"].replace(diff_bytes=20e6), Limits(mtbf_s=3600))
+    assert not slow.feasible and slow.every_steps < Limits(mtbf_s=3600).max_every_steps // 100
 
 
 def test_rationale_lists_every_input() -> None:
