@@ -158,7 +158,7 @@ def unpack(wire: Wire, buf: torch.Tensor) -> tuple[dict[str, dict[str, torch.Ten
     keys, regions, places = wire
     grads: dict[str, dict[str, torch.Tensor]] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for (name, field), t in zip(keys, ring.unpack([ring.Ref(i) for i in range(len(keys))], regions, places, buf)):
+    for (name, field), t in zip(keys, ring.views(regions, places, buf)):
         if name:
             grads.setdefault(name, {})[field] = t
         else:
