@@ -97,14 +97,20 @@ class Twin:
         c = self.cpu
         return (c["step"] + c["zero_grad"] - c["compress"] - c["inner"]) / max(self.cpu_steps, 1)
 
+    def writer_cpu_s(self) -> float:
+        st = self.opt.stats
+        return st.writer_cpu_s if st is not None else 0.0
+
     def window(self, steps: int) -> dict[str, float]:
+        w0 = self.writer_cpu_s()  # current: the previous window ended with a flush
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             self.step()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         f0 = time.perf_counter()
         self.opt.flush()
-        w = {"step_s": wall / steps, "cpu_s": cpu / steps, "flush_s": time.perf_counter() - f0}
+        w = {"step_s": wall / steps, "cpu_s": cpu / steps, "flush_s": time.perf_counter() - f0,
+             "writer_cpu_s": (self.writer_cpu_s() - w0) / steps}
         self.windows.append(w)
         return w
 
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
                      "flush_ms": 1e3 * statistics.median(w["flush_s"] for w in t.windows),
                      "own_cpu_ms": 1e3 * (t.own_cpu_s() - off.own_cpu_s()),
+                     "writer_cpu_ms": 1e3 * statistics.median(w["writer_cpu_s"] for w in t.windows),
                      "blocked_s": st.blocked_s if st else 0.0, "write_error": st.write_error if st else None,
                      "windows": t.windows, "off_windows": off.windows})
     for t in twins:
@@ -194,11 +201,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"instrumented pass ({res.get('attribution_rounds', 0)} interleaved rounds), the training thread's CPU in "
         "`opt.step()` and `opt.zero_grad()` minus the compressor's and the inner optimizer step's, minus the same "
         "for the `off` twin: the work lowdiff itself adds, without the slowdown of shared work by the writer on the "
-        "other core that the added CPU also contains.",
+        "other core that the added CPU also contains. Writer CPU: `opt.stats.writer_cpu_s` over the window and "
+        "its flush, per step (median over rounds): the writer thread's CPU, or the whole persistence process's.",
         "",
         "| mode | step ms | off step ms | overhead | quartiles | range | training-thread CPU ms/step | "
-        "added CPU ms/step | added CPU quartiles | lowdiff's own CPU ms/step | flush ms | blocked s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "added CPU ms/step | added CPU quartiles | lowdiff's own CPU ms/step | writer CPU ms/step | flush ms | "
+        "blocked s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         q = r.get("added_cpu_q")
@@ -208,6 +217,7 @@ def markdown(res: dict[str, Any]) -> str:
                      + f"{100 * r['overhead_min']:+.1f} .. {100 * r['overhead_max']:+.1f} % | {r['cpu_ms']:.1f} | "
                      f"{r['added_cpu_ms']:+.2f} | " + (f"{q[0]:+.2f} .. {q[1]:+.2f} | " if q else "| ")
                      + (f"{r['own_cpu_ms']:+.2f} | " if "own_cpu_ms" in r else "| ")
+                     + (f"{r['writer_cpu_ms']:.2f} | " if "writer_cpu_ms" in r else "| ")
                      + f"{r['flush_ms']:.1f} | {r['blocked_s']:.2f} |")
     met = [r["mode"] for r in res["rows"] if 100 * r["overhead"] <= BARS[r["mode"].split("-")[0]]]
     missed = [r["mode"] for r in res["rows"] if r["mode"] not in met]

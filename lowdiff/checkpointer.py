@@ -65,6 +65,9 @@ class CheckpointStats:
     write_error: str | None
     """The background write failure in force (the log is not being written until the next snapshot commits),
     or None."""
+    writer_cpu_s: float = 0.0
+    """CPU time the writer has used so far: the writer thread's, or the whole persistence process's with
+    ``log.persistence: process`` (as of its last report: every commit, and every ``flush()``)."""
     host_buffers_reused: int = 0
     """Step records staged into reused host buffers (compressor none on the CPU) instead of fresh allocations."""
     snapshot_buffers_reused: int = 0
@@ -145,7 +148,7 @@ class Checkpointer:
             blocked_s=st.blocked_s, steps_skipped=st.steps_skipped, queued=self._writer.queued if self._writer else 0,
             every_steps=pol.every_steps, batch_steps=pol.batch_steps, last_snapshot_step=pol.last_snapshot_step,
             shadow=bool(self._writer and self._writer.shadow_ok), tuner_probing=pol.probing, tuner_settled=pol.settled,
-            tuner_decisions=pol.decisions,
+            tuner_decisions=pol.decisions, writer_cpu_s=st.cpu_s,
             write_error=str(err) if (err := self._writer.error if self._writer else None) is not None else None)
 
     def needs_capture(self, step: int) -> bool:

@@ -82,7 +82,11 @@ class _ChildWriter(BackgroundWriter):
 
     reporter: _Reporter
 
+    def _cpu_s(self) -> float:
+        return time.process_time()  # the whole process: this thread, and the main thread's unpacking and replica
+
     def _status(self) -> None:
+        self.stats.cpu_s = self._cpu_s()
         self.reporter.send(("status", self.durable_step, dataclasses.astuple(self.stats), self._broken,
                             self.shadow_ok))
 
@@ -224,6 +228,7 @@ class _Session:
         elif kind == "flush":
             self.close_gap()
             writer.flush()
+            writer._status()  # before "flushed": the trainer's flush() returns with these counters
             self.reporter.send(("flushed", msg[1]))
         elif kind == "arena":
             _, ring_kind, ring_id, nbytes = msg

@@ -37,6 +37,8 @@ class WriterStats:
     steps_skipped: int = 0
     """``log.when_behind: replica``: records left out of the log because the disk was behind; a snapshot of the
     replica written after them covers them."""
+    cpu_s: float = 0.0
+    """CPU time the writer has used: its thread's, or the whole persistence process's (as of its last report)."""
 
 
 @dataclass
@@ -207,6 +209,11 @@ class BackgroundWriter:
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:
                     self._write_snapshot(Staged(self.shadow.snapshot()))
+            self.stats.cpu_s = self._cpu_s()
+
+    def _cpu_s(self) -> float:
+        """The writer's CPU time so far (this thread's)."""
+        return time.thread_time()
 
     def _apply_shadow(self, record: StepRecord) -> None:
         try:

@@ -47,6 +47,24 @@ def test_process_persistence_is_exact(tmp_path: Path, compressor: str) -> None:
         assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
 
 
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_writer_cpu_time_is_reported_and_brought_up_to_date_by_flush(tmp_path: Path, persistence: str) -> None:
+    """``opt.stats.writer_cpu_s``: the CPU time of the writer thread, or of the whole persistence process; it grows
+    with the work handed over and ``flush()`` returns with it current (a benchmark divides its growth by steps)."""
+    s = Scenario(compressor="none", batch_steps=50, every_steps=100, persistence=persistence)
+    t = start(s, tmp_path / "run")
+    t.train(1, 2)
+    t.opt.flush()
+    before = t.opt.stats.writer_cpu_s
+    assert before > 0
+    wall = time.perf_counter()
+    t.train(3, 40)  # one segment of 38 steps is written by the flush below
+    t.opt.flush()
+    grown = t.opt.stats.writer_cpu_s - before
+    assert 0 < grown < time.perf_counter() - wall + 1.0
+    t.opt.close()
+
+
 def _descendants(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
