@@ -49,9 +49,9 @@ class _Flush:
 @dataclass
 class _SetBatchSteps:
     """Close the open segment here (after the records queued before this item) and batch ``steps`` per segment
-    from the next record on."""
+    from the next record on (None: as before)."""
 
-    steps: int
+    steps: int | None
 
 
 @dataclass
@@ -110,6 +110,16 @@ class BackgroundWriter:
             self._queue.put(item)
             self.stats.blocked_s += time.perf_counter() - t0
 
+    def _put_control(self, item: Any) -> None:
+        """Queue a control item (a cut, a batch size) past the bound: it holds no data, and whoever queues it must
+        not wait for the disk (the training thread; the persistence process's main thread, which goes on applying
+        steps to the replica with ``log.when_behind: replica``)."""
+        q = self._queue
+        with q.mutex:  # queue.Queue's own lock and fields: put() without its bound
+            q.queue.append(item)
+            q.unfinished_tasks += 1
+            q.not_empty.notify()
+
     def submit_record(self, record: Staged[StepRecord]) -> None:
         self._put(record)
 
@@ -121,8 +131,9 @@ class BackgroundWriter:
         return max(self._queue.maxsize - self._queue.qsize(), 0)
 
     def cut(self) -> None:
-        """Write the records queued so far as a segment before what is submitted next (the batch size stays)."""
-        self._put(_SetBatchSteps(self.batch_steps))
+        """Write the records queued so far as a segment before what is submitted next (the batch size stays); the
+        caller does not wait."""
+        self._put_control(_SetBatchSteps(None))  # not self.batch_steps: a change queued before it still applies
 
     @property
     def capacity(self) -> int:
@@ -140,15 +151,16 @@ class BackgroundWriter:
     def set_batch_steps(self, steps: int) -> None:
         """Cut the open segment after the records submitted so far and continue with ``steps`` per segment.
 
-        Queued in order with the records, so the cut lands exactly here; the caller does not wait. The queue
-        bound follows (``queue_depth * steps + 2`` items)."""
+        Queued in order with the records, so the cut lands exactly here; the caller does not wait, also when the
+        queue is full or the new bound is below what it holds. The queue bound follows (``queue_depth * steps + 2``
+        items)."""
         if steps < 1:
             raise ValueError(f"batch_steps must be >= 1, got {steps}")
         q = self._queue
         with q.mutex:
             q.maxsize = self._queue_depth * steps + 2
             q.not_full.notify_all()
-        self._put(_SetBatchSteps(steps))
+        self._put_control(_SetBatchSteps(steps))
 
     def flush(self) -> int:
         """Write the partial batch and wait until everything submitted is committed (or failed)."""
@@ -205,7 +217,8 @@ class BackgroundWriter:
                 self._write_snapshot(item)
             elif isinstance(item, _SetBatchSteps):
                 self._write_batch()
-                self.batch_steps = item.steps
+                if item.steps is not None:
+                    self.batch_steps = item.steps
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:
                     self._write_snapshot(Staged(self.shadow.snapshot()))

@@ -49,3 +49,35 @@ def test_set_batch_steps_cuts_in_order_without_waiting(tmp_path: Path) -> None:
     # [1, 2] with the old size, [3] cut at the change, then 3 per segment; the flush writes the rest.
     assert [(a, b) for a, b, _ in list_segments(tmp_path)] == [(1, 2), (3, 3), (4, 6), (7, 9), (10, 10)]
     assert w.batch_steps == 3
+
+
+def test_cuts_and_batch_size_changes_never_wait_for_a_full_queue(tmp_path: Path) -> None:
+    """A full queue (the disk behind), then a smaller batch size whose bound is below what the queue holds, and a
+    cut: neither waits. The persistence process's main thread queues them while it applies every step to the
+    replica (log.when_behind: replica, batch_steps auto); waiting there would stall training at the disk's pace.
+    The cut keeps the batch size the change queued before it set (it used to restore the one in force)."""
+    for d in (LOG_DIR, SNAPSHOT_DIR):
+        (tmp_path / d).mkdir()
+    w = BackgroundWriter(RunDir(tmp_path), batch_steps=2, codec="none", compressor="none", queue_depth=4,
+                         retention=RetentionPolicy(), durable_step=0)
+    gate = _Gate()
+    w.submit_record(_record(1, gate))
+    for s in range(2, 11):  # capacity 4 x 2 + 2 = 10: full whether or not the writer has taken step 1 yet
+        w.submit_record(_record(s))
+    assert w.room() <= 1
+
+    def control() -> None:
+        w.set_batch_steps(1)  # bound 4 x 1 + 2 = 6, below the 9 or 10 items queued
+        w.cut()
+
+    t = threading.Thread(target=control, daemon=True)
+    t.start()
+    t.join(30)
+    returned = not t.is_alive()
+    gate.event.set()  # let the writer go whatever happened, so a failure does not hang the test
+    assert returned, "set_batch_steps() or cut() waited for the writer"
+    assert w.flush() == 10
+    w.close()
+    # Pairs up to the change after step 10, which cut the open segment [9, 10]; nothing after it.
+    assert [(a, b) for a, b, _ in list_segments(tmp_path)] == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
+    assert w.batch_steps == 1
