@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,9 +117,16 @@ class Twin:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="lowdiff-faststep-"))
+    try:  # the twins' logs: gigabytes on a full run (compressor none logs 3.2 MB a step)
+        return _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     load0 = os.getloadavg()
-    work = Path(tempfile.mkdtemp(prefix="lowdiff-faststep-"))
     twins = [Twin(c, p, args, work) for c in args.compressors for p in (None, *args.persistence)]
     for t in twins:  # warm-up: the persistence process starts, the first snapshot allocates its buffers
         for _ in range(args.warmup):

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))
+    if all(r["exact"] and r["reached"] for r in rows):
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"run directories and trainer stderr kept in {work}", file=sys.stderr)
 
 
 if __name__ == "__main__":

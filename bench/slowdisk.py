@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -119,7 +120,10 @@ def main() -> None:
     torch.set_num_threads(1)
     load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="lowdiff-slowdisk-"))
-    rows = [run_twin(mode, args, work) for mode in ("off", "wait", "replica")]
+    try:
+        rows = [run_twin(mode, args, work) for mode in ("off", "wait", "replica")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     params = sum(p.numel() for p in make_model(args.blocks, args.width, 0).parameters())
     res = {"rows": rows, "params": params, "grad_mb": params * 4 / 1e6, "steps": args.steps, "delay": args.delay,
            "blocks": args.blocks, "width": args.width, "batch": args.batch, "batch_steps": args.batch_steps,
