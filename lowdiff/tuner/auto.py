@@ -61,12 +61,14 @@ class AutoTuner:
                  restart_s: float = 0.0, profiler: Profiler | None = None, check_every_steps: int = 8,
                  bootstrap_every_steps: int = 128, bootstrap_batch_steps: int = 16,
                  probe_steps: int = PROBE_STEPS, probe_batch_steps: int = PROBE_BATCH_STEPS,
-                 max_buffer_bytes: int = 1 << 30, record_bytes_hint: float | None = None) -> None:
+                 max_buffer_bytes: int = 1 << 30, record_bytes_hint: float | None = None,
+                 paced: bool = False) -> None:
         """``record_bytes_hint``: an upper bound on one step's record (the dense gradient bytes), known before
         the first step: the bootstrap batch is capped so its waiting records fit ``max_buffer_bytes``."""
         self.limits = Limits(mtbf_s=mtbf_s, max_overhead=max_overhead, max_log_bytes=max_log_bytes,
                              queue_depth=queue_depth, keep_snapshots=keep_snapshots,
-                             every_steps=every_steps, batch_steps=batch_steps, max_buffer_bytes=max_buffer_bytes)
+                             every_steps=every_steps, batch_steps=batch_steps, max_buffer_bytes=max_buffer_bytes,
+                             paced=paced)
         if not 0 < retune_drift:
             raise ValueError(f"retune_drift must be > 0, got {retune_drift}")
         if probe_steps < 1 or probe_batch_steps < 1:
@@ -109,7 +111,8 @@ class AutoTuner:
                    retune_drift=t.retune_drift, queue_depth=config.log.queue_depth,
                    keep_snapshots=config.snapshot.keep, every_steps=None if every == "auto" else every,
                    batch_steps=None if batch == "auto" else batch, profiler=profiler,
-                   max_buffer_bytes=t.max_buffer_bytes, record_bytes_hint=record_bytes_hint)
+                   max_buffer_bytes=t.max_buffer_bytes, record_bytes_hint=record_bytes_hint,
+                   paced=config.log.when_behind == "replica")
 
     def current(self) -> tuple[int, int]:
         """(every_steps, batch_steps) in force now (a probe's while :attr:`probing`)."""

@@ -94,6 +94,10 @@ class Limits:
     """Fixed by the user (an int in the config): only B is tuned, among the divisors of F."""
     batch_steps: int | None = None
     """Fixed by the user: only F is tuned, among the multiples of B."""
+    paced: bool = False
+    """``log.when_behind: replica``: what the writer has no room for is left out of the log (a snapshot of the
+    persistence process's replica covers it) instead of making training wait, so nothing stalls; snapshots cost
+    the training thread nothing (C_F = 0, measured) and the writer-load bound alone sets how often they come."""
     max_every_steps: int = 1_000_000
     max_batch_steps: int = 4096
     max_buffer_bytes: int = 1 << 30
@@ -200,7 +204,8 @@ def evaluate(costs: Costs, limits: Limits, every_steps: int, batch_steps: int) -
     stall_burst = max(0.0, busy_after_submit - (limits.queue_depth * b + 2) * t)
     # Throughput: a writer slower than training throttles it to the writer's pace.
     stall_rate = max(0.0, writer_busy - base - interference)
-    stall = max(stall_burst, stall_rate)
+    # log.when_behind: replica leaves out of the log what the writer has no room for: training never waits.
+    stall = 0.0 if limits.paced else max(stall_burst, stall_rate)
     period = base + interference + stall
     overhead = (period - f * t) / period
     step_s = (period - c.snapshot_block_s - stall) / f

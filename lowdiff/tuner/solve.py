@@ -91,7 +91,7 @@ def inputs_line(c: Costs, lim: Limits) -> str:
             f"l_w={c.write_latency_s * 1e3:.3g} ms "
             f"BW_r={_b(c.read_bw)}/s l_r={c.read_latency_s * 1e3:.3g} ms t_rep={c.replay_step_s * 1e3:.3g} ms "
             f"R={c.restart_s:.3g} s alpha={c.write_interference:.3g}{_alpha_high(c)} MTBF={lim.mtbf_s / 3600:.3g} h "
-            f"max_overhead={lim.max_overhead:.3g} "
+            f"max_overhead={lim.max_overhead:.3g}{' when_behind=replica' if lim.paced else ''} "
             f"max_log_bytes={_b(lim.max_log_bytes) if lim.max_log_bytes else 'none'} "
             f"queue_depth={lim.queue_depth} keep={lim.keep_snapshots}")
 
@@ -251,6 +251,11 @@ def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None,
         f"  log on disk {_b(b.log_bytes)}"
         + (f" (cap {_b(lim.max_log_bytes)})" if lim.max_log_bytes else " (no cap)"),
     ]
+    if lim.paced:
+        lines.append("  log.when_behind: replica: training never waits for the writer (no stall) and snapshots are "
+                     "written from the persistence process's replica (C_F = 0): the interval is the shortest the "
+                     f"disk takes beside the log (the writer busy at most {lim.max_writer_load:.0%} of the time) "
+                     "unless the writer's interference makes a longer one pay")
     if lim.every_steps is not None:
         lines.append(f"  every_steps fixed at {lim.every_steps} by the config; B chosen among its divisors")
     if lim.batch_steps is not None:
@@ -270,6 +275,9 @@ def _rationale(c: Costs, lim: Limits, b: Breakdown, yd: float, bmin: int | None,
     if not b.feasible:
         lines.append(f"  LIMITS NOT MET ({', '.join(b.violations)}): no (F, B) satisfies them. Raise "
                      "tuner.max_overhead, use a faster disk or a smaller log per step")
+        if lim.paced and "max_writer_load" in b.violations:
+            lines.append("  log.when_behind: replica: training does not wait; the steps the disk cannot take are "
+                         "left out of the log, and snapshots of the replica written as the writer frees up cover them")
         if closest is not None:
             lines.append(
                 f"  the closest point, every_steps={closest.every_steps} batch_steps={closest.batch_steps}, has "

@@ -183,6 +183,36 @@ def test_unreachable_bound_does_not_push_the_interval_to_the_maximum() -> None:
     assert not slow.feasible and slow.every_steps < Limits(mtbf_s=3600).max_every_steps // 100
 
 
+def test_replica_mode_never_stalls_and_snapshots_as_often_as_the_disk_takes() -> None:
+    """``log.when_behind: replica``: training never waits (what the writer has no room for is left to the replica's
+    snapshots) and a snapshot costs the training thread nothing, so the interval is set by the disk's bandwidth:
+    the shortest with the writer busy at most 80 % (alpha 0 here), where the model with stalls needs one that
+    spreads the snapshot burst's stall under max_overhead."""
+    # A 16.7 s snapshot write; 1 GiB of host memory holds 83 records of 3.2 MB per segment (4 segments), so no
+    # queue absorbs the burst: waiting for the writer would stall training 6.7 s per snapshot.
+    c = Costs(iteration_s=0.03, diff_bytes=3.2e6, snapshot_bytes=5e9, snapshot_block_s=0.0,
+              write_bytes_per_s=300e6, write_latency_s=0.01, replay_step_s=0.01)
+    lim = Limits(mtbf_s=24 * 3600)
+    paced = lim.replace(paced=True)
+    waiting, replica = evaluate(c, lim, 1600, 80), evaluate(c, paced, 1600, 80)
+    assert waiting.stall_s > 5.0 and replica.stall_s == 0.0
+    d, w = solve(c, paced), solve(c, lim)
+    assert d.feasible and w.feasible
+    assert d.every_steps < w.every_steps / 2
+    b = d.batch_steps  # the shortest interval the writer sustains at this batch size
+    assert d.breakdown.writer_load <= 0.8
+    assert d.every_steps == b or "max_writer_load" in evaluate(c, paced, d.every_steps - b, b).violations
+    assert "when_behind: replica" in d.rationale and "when_behind=replica" in d.summary()
+    # A log faster than the disk: not met, and the rationale says what happens to the steps left out.
+    slow = solve(c.replace(diff_bytes=20e6), paced)
+    assert not slow.feasible and "left out of the log" in slow.rationale
+    cfg = Config.from_dict({"run_dir": "r", "snapshot": {"every_steps": "auto", "shadow": True},
+                            "log": {"persistence": "process", "when_behind": "replica"},
+                            "compressor": {"name": "none"}})
+    tuner = AutoTuner.from_config(cfg)
+    assert tuner is not None and tuner.limits.paced
+
+
 def test_rationale_lists_every_input() -> None:
     c = COSTS["contended"]
     d = solve(c, Limits(mtbf_s=7200, max_log_bytes=10**10, keep_snapshots=2))
@@ -328,6 +358,7 @@ def test_autotuner_from_config_and_seed() -> None:
     assert t is not None
     assert t.limits.mtbf_s == 7200 and t.limits.batch_steps == 8 and t.limits.every_steps is None
     assert t.limits.queue_depth == 3 and t.limits.keep_snapshots == 2 and t.limits.max_log_bytes == 10**9
+    assert not t.limits.paced
     assert t.current()[1] == 8 and t.current()[0] % 8 == 0
     before = t.current()
     t.seed([{"every_steps": 100, "batch_steps": 4}])  # the config's batch (8) wins; 100 is no multiple of it
