@@ -76,7 +76,7 @@ class LowDiffCallback(Callback):
         start = self.start_step = opt.resume(at=self.at)
         if start == 0:
             return
-        _set_progress(trainer, pl_module, start, loaders[0].epoch if loaders else None)
+        _set_progress(trainer, pl_module, start, loaders[0] if loaders else None)
         if not loaders:
             log.warning("lowdiff: resumed Lightning at step %d without a lowdiff.data.ResumableLoader: the training "
                         "data restarts its epoch, so the batches differ from the uninterrupted run's", start)
@@ -106,9 +106,9 @@ def _resumable_loaders(loaders: Any) -> list[ResumableLoader]:
     return []
 
 
-def _set_progress(trainer: Trainer, pl_module: LightningModule, step: int, epoch: int | None) -> None:
+def _set_progress(trainer: Trainer, pl_module: LightningModule, step: int, loader: ResumableLoader | None) -> None:
     """Lightning's counters at the resumed iteration: ``global_step`` (what ``max_steps`` and step-wise schedulers
-    count) and, from a tracked loader, ``current_epoch``. The batch index restarts at 0 in a resumed epoch."""
+    count) and, from a tracked loader, ``current_epoch`` and the batch index in a resumed epoch."""
     loop = trainer.fit_loop.epoch_loop
     if pl_module.automatic_optimization:
         steps = loop.automatic_optimization.optim_progress.optimizer.step.total
@@ -116,7 +116,23 @@ def _set_progress(trainer: Trainer, pl_module: LightningModule, step: int, epoch
         steps = loop.manual_optimization.optim_step_progress.total
     steps.ready = steps.completed = step
     loop._batches_that_stepped = step  # the step loggers are given
-    if epoch is not None:
-        trackers: tuple[Any, ...] = (trainer.fit_loop.epoch_progress.current, trainer.fit_loop.epoch_progress.total)
-        for tracker in trackers:
-            tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch
+    if loader is None:
+        return
+    epoch = loader.epoch
+    trackers: tuple[Any, ...] = (trainer.fit_loop.epoch_progress.current, trainer.fit_loop.epoch_progress.total)
+    for tracker in trackers:
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch
+    sampler = loader.sampler
+    if epoch != loader.state_dict()["epoch"] or loader.offset == 0:
+        return  # at an epoch's start: Lightning's batch index starts at 0 there anyway
+    # In the middle of an epoch: the batches this rank consumed in it. Without them Lightning counts the resumed
+    # epoch's batches from 0 against the full epoch's length, so it does not see the last batch coming and, with
+    # accumulate_grad_batches > 1, accumulates it instead of stepping (the next epoch then zeroes that gradient).
+    done = -(-loader.offset // (loader.batch_size * sampler.replicas_per_step))
+    batches = loop.batch_progress
+    for tracker, value in ((batches.current, done), (batches.total, epoch * int(trainer.num_training_batches) + done)):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = value
+    # As a restore from a Lightning checkpoint saved after the last completed batch: the epoch loop keeps these
+    # counters (instead of zeroing them) when it starts, and its data fetcher counts the consumed batches as fetched.
+    loop.restarting = True
+    loop.update_restart_stage()

@@ -67,13 +67,13 @@ def loader() -> ResumableLoader:
 
 
 def fit(run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = None,
-        at: str = "latest") -> tuple[Net, pl.Trainer, LowDiffCallback]:
+        at: str = "latest", accumulate: int = 1) -> tuple[Net, pl.Trainer, LowDiffCallback]:
     pl.seed_everything(123, verbose=False)
     model = Net(run_dir, manual=manual, compressor=compressor, crash_at=crash_at)
     callback = LowDiffCallback(at=at)
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, accumulate_grad_batches=accumulate)
     trainer.fit(model, train_dataloaders=loader())
     return model, trainer, callback
 
@@ -106,6 +106,20 @@ def test_fit_crash_resume_is_exact(tmp_path: Path, manual: bool) -> None:
     # Automatic optimization: the crash came inside the closure, after step 7 was logged; manual: before step 8's
     # opt.step(), with step 7 not yet known to be over (its record is dropped, step 7 is redone).
     assert got[2].start_step == (7 if not manual else 6)
+    assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("crash_at", [2, 3, 5, 10])
+def test_accumulated_gradients_resume_mid_epoch_exactly(tmp_path: Path, crash_at: int) -> None:
+    """accumulate_grad_batches=2 over 5 batches an epoch: windows of 2, 2 and 1 batches (Lightning steps on an
+    epoch's last batch). A resumed epoch used to count its batches from 0 against the full length, so Lightning
+    did not see its last batch coming, accumulated it instead of stepping, and the next epoch zeroed it."""
+    ref = fit(tmp_path / "ref", manual=False, compressor="none", accumulate=2)
+    with pytest.raises(Crash):
+        fit(tmp_path / "run", manual=False, compressor="none", crash_at=crash_at, accumulate=2)
+    got = fit(tmp_path / "run", manual=False, compressor="none", accumulate=2)
+    assert got[2].start_step in (crash_at - 1, crash_at)
+    assert got[1].current_epoch == ref[1].current_epoch
     assert_same_end(ref, got)
 
 
