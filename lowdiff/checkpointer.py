@@ -123,6 +123,14 @@ class Checkpointer:
                            retention=self.retention, durable_step=durable_step, shadow=shadow,
                            when_behind=cfg.log.when_behind)
 
+    def restart(self, shadow: Any) -> None:
+        """A new writer from step 0 with this shadow replica (snapshot 0 was written again before the first step);
+        nothing has been handed to the old one."""
+        if self._writer is not None:
+            self._writer.close()
+            self.check()
+        self.start(durable_step=0, shadow=shadow)
+
     @property
     def slots(self) -> Any:
         """Where the stager packs step records (lowdiff.stager.Slots): the writer's host buffers or ring."""

@@ -37,6 +37,7 @@ from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resum
 from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
 from lowdiff.staging import HostCopier
+from lowdiff.step_zero import REWRITE, fingerprint
 from lowdiff.storage.format import Shard
 from lowdiff.storage.run_dir import RunDir
 from lowdiff.storage.snapshot import SnapshotState
@@ -109,6 +110,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
+        self._step0: Any = None
+        """Until the first step: what snapshot 0 holds (lowdiff.step_zero), or REWRITE."""
         if config.enabled:
             run_dir = RunDir(config.run_dir, Shard(self._coord.rank, self._coord.world_size),
                              compressor_params={"ratio": cc.ratio, "rank": cc.rank})
@@ -226,6 +229,34 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             run_dir.commit_manifest(self._spec.manifest)
         self._coord.barrier("manifest")
         self._checkpointer.start(durable_step=0, shadow=self._make_shadow(state0))
+        self._step0 = self._fingerprint()
+
+    def _fingerprint(self) -> tuple[Any, ...]:
+        """What snapshot 0 holds, cheaply (lowdiff.step_zero): this rank's parameters, the optimizer's state and
+        groups."""
+        owned = self._stager.owned
+        tensors = [fsdp.local(p) for n, p in self._spec.params.items() if n in owned]
+        tensors += [v for st in self.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return fingerprint(tensors, encode_groups(self.inner.param_groups))
+
+    def _settle_step0(self) -> None:
+        """The first step of this run in this process: write snapshot 0 again if what it holds has changed since
+        (weights or an optimizer state loaded after wrap(), a scheduler created on the wrapper; lowdiff.step_zero)."""
+        before, self._step0 = self._step0, None
+        if before is not REWRITE and before == self._fingerprint():
+            return
+        assert self._checkpointer is not None and self._run_dir is not None
+        state = self._stager.snapshot(0).wait()
+        if state.buffers:
+            # This step's forward pass may have changed them already; snapshot 0 keeps the values the changed
+            # buffers of step 1's record are found against (a buffer set after wrap() is in that record).
+            state.buffers = self._stager.buffer_baseline()
+        self._run_dir.write_snapshot(state, resolve_codec(self.config.log.codec, self.config.compressor.name))
+        log.info("lowdiff: %s; snapshot 0 of %s written again with the state the first step starts from",
+                 "resumed at step 0" if before is REWRITE else "parameters, optimizer state or groups changed "
+                 "between wrap() and the first step", self._run_dir.path)
+        if self.config.snapshot.shadow:
+            self._checkpointer.restart(self._make_shadow(state))
 
     def resume(self, at: str = "latest") -> int:
         """Restore model, optimizer, compressor, tracked objects and RNG state to the end of a logged iteration and
@@ -243,15 +274,20 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
                                  rank=self._coord.rank if world > 1 else None,
                                  shard=(self._coord.rank, world) if self._sharded is not None else None)
-        if self._sharded is not None:
+        if rec.step == 0:
+            # Nothing was trained: the live state is where the run was, pretrained weights loaded after wrap()
+            # included, which snapshot 0 may predate; it is written again at the first step (lowdiff.step_zero).
+            self._step0 = REWRITE
+        elif self._sharded is not None:
             fsdp.load_state(rec, self._spec, self._sharded, self.inner)
         else:
             self.model.load_state_dict(rec.model)
             self.inner.load_state_dict(rec.optimizer)
-        apply_end_groups(self.inner.param_groups, rec.end_groups)
-        self.compressor.load_state_dict(
-            compressor_state(rec, self.compressor, world, self._spec.params) if self._sharded is None
-            else fsdp.compressor_state(rec, self._spec, self._sharded, rec.world_size))
+        if rec.step > 0:
+            apply_end_groups(self.inner.param_groups, rec.end_groups)
+            self.compressor.load_state_dict(
+                compressor_state(rec, self.compressor, world, self._spec.params) if self._sharded is None
+                else fsdp.compressor_state(rec, self._spec, self._sharded, rec.world_size))
         for s in rec.report.skipped:
             log.warning("lowdiff: resume skipped %s", s)
         self._coord.barrier("recovered")
@@ -329,6 +365,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         ``closure`` (Lightning passes one): run once, with gradients enabled, before the step (it computes the loss
         and the gradients); its value is returned."""
         self._check_usable()
+        if self._step0 is not None:
+            self._settle_step0()
         if self._iteration is not None:
             self._iteration.seal()  # the previous iteration ended: this one has reached its step
             self._report_backpressure(self._loop.step)
@@ -415,6 +453,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._loop.stepped = False
             return out
         self._check_usable()
+        if self._step0 is not None:
+            self._settle_step0()
         if self._iteration is not None:
             self._iteration.seal()
         data = self._step_state() if self._checkpointer is not None else {}

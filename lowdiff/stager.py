@@ -113,6 +113,10 @@ class Stager:
         """Take the buffers' values now as the baseline the next records' changed buffers are found against."""
         self._buffer_last = {s.name: s.get().detach().clone() for s in self.spec.buffers}
 
+    def buffer_baseline(self) -> dict[str, torch.Tensor]:
+        """Host copies of the values the next record's changed buffers are found against."""
+        return {n: t.cpu() for n, t in self._buffer_last.items()}
+
     def copy_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots | None = None) -> StepCopies:
         """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers; with
         ``slots``, packed into one of its buffers (one copy per dtype) unless layer-wise capture has copies."""

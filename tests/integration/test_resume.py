@@ -241,3 +241,136 @@ def test_sparse_gradients_are_refused(run_dir: Path) -> None:
     with pytest.raises(lowdiff.UnsupportedError, match="sparse"):
         opt.step()
     opt.close()
+
+
+def test_resume_at_step_0_keeps_the_groups_a_scheduler_created_after_wrap_set(tmp_path: Path) -> None:
+    """A crash inside iteration 1 resumes at step 0, whose snapshot wrap() took before the loop created its
+    scheduler (OneCycleLR sets lr and adds initial_lr, max_lr, min_lr to the groups). Loading it dropped those
+    keys (the scheduler's next step() raised KeyError; seen under Lightning with accumulate_grad_batches) and put
+    back the lr wrap() saw. Resumed at step 0 the wrapper keeps the live state, and the run continues exactly like
+    an uninterrupted one."""
+    def make(run_dir: Path) -> tuple[torch.nn.Module, lowdiff.LowDiffOptimizer, torch.optim.lr_scheduler.LRScheduler]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model,
+                           {"run_dir": str(run_dir), "snapshot": {"every_steps": 4}, "log": {"batch_steps": 2}})
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=20)
+        opt.track(sched, "sched")
+        return model, opt, sched
+
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+
+    def train(model, opt, sched, first: int, last: int) -> None:
+        for k in range(first, last + 1):
+            model(batches[k - 1]).pow(2).sum().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+    ref = make(tmp_path / "ref")
+    assert ref[1].resume() == 0
+    train(*ref, 1, 6)
+    ref[1].close()
+    run = make(tmp_path / "run")
+    assert run[1].resume() == 0
+    train(*run, 1, 1)  # iteration 1 has not ended (no next step, no flush): a crash here loses it
+    run[1].close(interrupted=True)
+    got = make(tmp_path / "run")
+    assert got[1].resume() == 0
+    assert "initial_lr" in got[1].param_groups[0]
+    train(*got, 1, 6)
+    for k, v in ref[0].state_dict().items():
+        assert torch.equal(v, got[0].state_dict()[k]), k
+    assert got[2].state_dict() == ref[2].state_dict()
+    ref_opt, got_opt = ref[1].inner.state_dict(), got[1].inner.state_dict()
+    assert ref_opt["param_groups"] == got_opt["param_groups"]
+    for i, st in ref_opt["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, got_opt["state"][i][k]), (i, k)
+    got[1].close()
+
+
+def _pretrained(model: torch.nn.Module) -> None:
+    """Weights loaded after wrap(), as from a pretrained checkpoint."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.data.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1))  # through .data: no version
+
+
+@pytest.mark.parametrize("shadow,persistence", [(False, "thread"), (True, "thread"), (True, "process")],
+                         ids=["plain", "shadow", "shadow-process"])
+def test_weights_loaded_after_wrap_are_what_recovery_replays_from(tmp_path: Path, shadow: bool,
+                                                                 persistence: str) -> None:
+    """Snapshot 0 is the state the first step starts from: weights loaded between wrap() and the first step are
+    in it (recovery replayed every step from the weights wrap() saw: a silently wrong state at every step up to
+    the first snapshot). With a shadow replica, the replica starts from them too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model,
+                       {"run_dir": str(tmp_path / "run"), "snapshot": {"every_steps": 4, "shadow": shadow},
+                        "log": {"batch_steps": 2, "persistence": persistence}})
+    _pretrained(model)
+    start_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    assert opt.resume() == 0
+    states = {}
+    for k in range(1, 7):
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(k))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        states[k] = {n: v.clone() for n, v in model.state_dict().items()}
+    opt.close()
+    for k in (3, 4, 6):
+        rec = lowdiff.recover(tmp_path / "run", step=k, workers=1)
+        for n, v in states[k].items():
+            assert torch.equal(rec.model[n], v), (k, n)
+    rec0 = lowdiff.recover(tmp_path / "run", step=0, workers=1)
+    for n, _ in model.named_parameters():
+        assert torch.equal(rec0.model[n], start_weights[n]), n
+
+
+def test_a_trainer_that_died_before_its_first_step_resumes_from_the_weights_loaded_again(tmp_path: Path) -> None:
+    """Died between wrap() and the first step (an out-of-memory first forward): the restarted script wraps, loads
+    its pretrained weights again and resumes at step 0, which keeps them (loading snapshot 0 put back the random
+    initialization wrap() saw), then trains exactly like an uninterrupted run."""
+    def make(run_dir: Path, seed: int) -> tuple[torch.nn.Module, lowdiff.LowDiffOptimizer]:
+        torch.manual_seed(seed)  # a different random init each time: only the loaded weights are the same
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                           {"run_dir": str(run_dir), "snapshot": {"every_steps": 3}, "log": {"batch_steps": 2}})
+        _pretrained(model)
+        return model, opt
+
+    def train(model: torch.nn.Module, opt: lowdiff.LowDiffOptimizer) -> None:
+        for k in range(1, 6):
+            model(torch.randn(5, 4, generator=torch.Generator().manual_seed(k))).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+
+    ref_model, ref_opt = make(tmp_path / "ref", seed=1)
+    assert ref_opt.resume() == 0
+    train(ref_model, ref_opt)
+    _, dead = make(tmp_path / "run", seed=2)
+    dead.close(interrupted=True)  # wrapped, never stepped
+    model, opt = make(tmp_path / "run", seed=3)
+    assert opt.resume() == 0
+    train(model, opt)
+    for n, v in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[n], v), n
+    rec = lowdiff.recover(tmp_path / "run", workers=1)
+    assert rec.step == 5
+    for n, v in ref_model.state_dict().items():
+        assert torch.equal(rec.model[n], v), n
+
+
+def test_snapshot_0_is_not_written_again_when_nothing_changed(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = lowdiff.wrap(torch.optim.Adam(model.parameters()), model, {"run_dir": str(tmp_path / "run")})
+    snap0 = next((tmp_path / "run" / "snapshots").iterdir())
+    before = snap0.stat().st_ino
+    assert opt.resume() == 0
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    assert snap0.stat().st_ino == before  # an atomic rewrite would be a new file
