@@ -12,6 +12,7 @@ beside GPU parameters).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import threading
@@ -189,20 +190,13 @@ def _split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[
             sizes = [s[0] for s in shapes]
         else:
             rows = None
-            sizes = [_numel(s) for s in shapes]
+            sizes = [math.prod(s) for s in shapes]
         plan.append((idx, sizes, rows, shapes))
     with _PLANS_LOCK:
         _PLANS[id(places)] = (places, regions, plan)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.popitem(last=False)
     return plan
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _fill(obj: Any, placed: list[torch.Tensor]) -> Any:
