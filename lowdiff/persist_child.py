@@ -21,6 +21,7 @@ process finishes the trainer's work after it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -30,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -62,6 +64,8 @@ class _Reporter:
         self.conn = conn
         self.lock = threading.Lock()
         self.gone = False
+        self._gathering: int | None = None  # the thread whose frees are gathered into one message (gathered())
+        self._gathered: list[tuple[str, int, int]] = []
 
     def send(self, msg: Any) -> None:
         if self.gone:
@@ -74,7 +78,23 @@ class _Reporter:
                 self.gone = True  # the trainer is gone: keep committing, stop reporting
 
     def free(self, kind: str, ring_id: int, aid: int) -> None:
+        if self._gathering == threading.get_ident():
+            self._gathered.append((kind, ring_id, aid))
+            return
         self.send(("free", [(kind, ring_id, aid)]))
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The slots this thread frees inside the block go back in one message at its end (a segment's records:
+        one message for the trainer to read instead of one per step). Other threads' frees are sent at once."""
+        self._gathering = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._gathering = None
+            frees, self._gathered = self._gathered, []
+            if frees:
+                self.send(("free", frees))
 
 
 class _ChildWriter(BackgroundWriter):
@@ -97,7 +117,8 @@ class _ChildWriter(BackgroundWriter):
 
     def _write_batch(self) -> None:
         had = bool(self._batch)
-        super()._write_batch()
+        with self.reporter.gathered():
+            super()._write_batch()
         if had:
             self._status()
 

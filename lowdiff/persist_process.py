@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import subprocess
@@ -122,6 +123,10 @@ class ProcessWriter:
             os.close(lock_fd)
         theirs.close()
         self._conn = Connection(ours.detach())
+        # Replies are looked for once per step: one poll(2) on a poller kept for it (Connection.poll builds a
+        # selector per call).
+        self._replies = select.poll()
+        self._replies.register(self._conn.fileno(), select.POLLIN)
         _send_bytes(self._conn, {
             "path": str(run_dir.path), "shard": (run_dir.shard.index, run_dir.shard.count),
             "compressor_params": run_dir.compressor_params, "run_id": run_dir.run_id,
@@ -398,7 +403,7 @@ class ProcessWriter:
         return self._error  # type: ignore[return-value]
 
     def _drain(self) -> None:
-        while not self._dead and not self._closed and self._conn.poll():
+        while not self._dead and not self._closed and self._replies.poll(0):
             self._recv(block=False)
 
     def _push(self) -> None:
