@@ -1,0 +1,61 @@
+"""numpy's generator state as lowdiff captures it is exactly what ``np.random.get_state()`` says, in every state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowdiff.rng as lowdiff_rng
+
+
+def expected_numpy_bytes() -> bytes:
+    _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return key.astype("<u4").tobytes() + int(pos).to_bytes(8, "little", signed=True) \
+        + int(has_gauss).to_bytes(8, "little", signed=True) + np.float64(cached).astype("<f8").tobytes()
+
+
+def captured_numpy_bytes() -> bytes:
+    return bytes(lowdiff_rng.capture()[lowdiff_rng.NUMPY].numpy())
+
+
+@pytest.fixture(autouse=True)
+def keep_numpy_state():
+    saved = np.random.get_state()
+    yield
+    np.random.set_state(saved)
+
+
+OPS = st.one_of(
+    st.tuples(st.just("seed"), st.integers(0, 2**32 - 1)),
+    st.tuples(st.just("normal"), st.integers(0, 5)),  # odd counts leave a cached gaussian
+    st.tuples(st.just("uniform"), st.integers(0, 700)),  # past 624 words: the key is regenerated
+    st.tuples(st.just("set"), st.tuples(st.integers(0, 624), st.booleans(), st.floats(-5, 5))),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(OPS, min_size=1, max_size=12))
+def test_capture_matches_get_state_after_any_draws(ops: list[tuple[str, object]]) -> None:
+    for op, arg in ops:
+        if op == "seed":
+            np.random.seed(arg)
+        elif op == "normal":
+            np.random.standard_normal(arg)
+        elif op == "uniform":
+            np.random.random_sample(arg)
+        else:
+            pos, has_gauss, cached = arg
+            key = np.random.default_rng(pos).integers(0, 2**32, 624, dtype=np.uint32)
+            np.random.set_state(("MT19937", key, pos, int(has_gauss), cached))
+        assert captured_numpy_bytes() == expected_numpy_bytes()
+
+
+def test_restoring_a_capture_with_a_cached_gaussian_repeats_the_draws() -> None:
+    np.random.seed(7)
+    np.random.standard_normal(3)  # one gaussian cached
+    state = lowdiff_rng.capture()
+    first = np.random.standard_normal(4).tolist()
+    lowdiff_rng.restore(state)
+    assert np.random.standard_normal(4).tolist() == first
