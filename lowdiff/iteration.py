@@ -156,6 +156,17 @@ class IterationEnd:
         self.pending = pending
         self.checkpointer.on_hold(pending.record, keep_if_orphaned=self.end_free())
 
+    def retake_rng(self, rng: dict[str, Any]) -> bool:
+        """The held iteration continues from ``rng`` (taken now, after draws made since its ``opt.step()``): its
+        record (and snapshot) log that state instead. False: no iteration is held."""
+        p = self.pending
+        if p is None:
+            return False
+        p.record.item.rng = rng
+        if p.snapshot is not None:
+            p.snapshot.item.rng = dict(rng)
+        return True
+
     def end_free(self) -> bool:
         """Nothing is tracked at the end of an iteration: a record is complete when opt.step() returns."""
         return not any(kind == AT_END for _, kind in self.tracker.objects.values())

@@ -317,6 +317,15 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._iteration.seal()
         return self._checkpointer.flush() if self._checkpointer else self._loop.step
 
+    def capture_rng(self) -> None:
+        """Take the RNG state for the iteration in progress again, now: call it after random draws that come
+        between ``opt.step()`` and the next iteration's forward pass and that a resumed run does not repeat (an
+        evaluation between two steps: iterating a DataLoader draws its seed from torch's generator). A resume then
+        continues from the state after them, as the uninterrupted run did. ``LowDiffCallback`` calls it after each
+        validation inside a Lightning fit. No effect before the first step or after ``flush()``."""
+        if self._iteration is not None and self._checkpointer is not None:
+            self._iteration.retake_rng(self._stager.rng())
+
     @property
     def durable_step(self) -> int:
         """The newest step guaranteed to be on disk."""

@@ -224,10 +224,12 @@ class _Session:
         if kind == "rec":
             self._record(msg)
         elif kind == "seal":
-            _, step, data, end_groups = msg
+            _, step, data, end_groups, rng = msg
             staged, _ = self._take_pending(step)
             staged.item.data = data
             staged.item.end_groups = end_groups
+            if rng is not None:
+                staged.item.rng = _rng_tensors(rng)
             self.submit(staged)
         elif kind == "drop":
             staged, _ = self._take_pending(msg[1])

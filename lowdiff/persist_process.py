@@ -102,6 +102,7 @@ class ProcessWriter:
         self._ready = False
         self._outbox: Any = None  # a seal waiting for the next message
         self._kept_if_orphaned = False
+        self._rng_sent: Any = None  # the RNG state the last record was handed over with
         self.start_wait_s = 0.0
         """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         ours, theirs = socket.socketpair()
@@ -243,6 +244,7 @@ class ProcessWriter:
         state["sent"] = True
         layout = packed.layout
         self._kept_if_orphaned = keep_if_orphaned
+        self._rng_sent = rec.rng
         rng = {k: v.numpy().tobytes() for k, v in rec.rng.items()}
         self._send(("rec", rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                     None if layout.id in self._layouts_sent else layout.wire, rng, rec.groups,
@@ -267,7 +269,9 @@ class ProcessWriter:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
         rec = record.item
         record.release()
-        msg = ("seal", rec.step, rec.data, rec.end_groups)
+        # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
+        rng = None if rec.rng is self._rng_sent else {k: v.numpy().tobytes() for k, v in rec.rng.items()}
+        msg = ("seal", rec.step, rec.data, rec.end_groups, rng)
         if self._kept_if_orphaned:
             # The persistence process would commit this record as it is if the trainer died now: the seal rides
             # with the next message (one socket write per step instead of two).

@@ -185,7 +185,7 @@ class Stager:
         iteration without an optimizer step (no gradients)."""
         self._unfinished = None
         record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
-                            rng=self._rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
+                            rng=self.rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
         return Staged(record, copies.ready, copies.release)
 
     def snapshot(self, step: int, data: dict[str, Any] | None = None,
@@ -216,7 +216,7 @@ class Stager:
             compressor_name=self.compressor.name,
             compressor_state={n: st for n, st in shared.items() if st},
             rank_compressor_state={n: st for n, st in mine.items() if st},
-            rng=self._rng(),
+            rng=self.rng(),
             extra={"data": dict(data or {})},
         )
         # Every tensor above is live state (the next step changes it in place): staged as owned host copies.
@@ -261,7 +261,8 @@ class Stager:
         state.packed = PackedSnapshot(PackedStep(slot.buf, layout, slot.handle), skel)
         return Staged(state, ready, slot.release)
 
-    def _rng(self) -> dict[str, torch.Tensor]:
+    def rng(self) -> dict[str, torch.Tensor]:
+        """This rank's RNG state now (the generators of the CUDA devices the model is on included)."""
         return rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
 
     def _changed_buffers(self) -> dict[str, torch.Tensor]:

@@ -81,6 +81,12 @@ class LowDiffCallback(Callback):
             log.warning("lowdiff: resumed Lightning at step %d without a lowdiff.data.ResumableLoader: the training "
                         "data restarts its epoch, so the batches differ from the uninterrupted run's", start)
 
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A validation inside fit runs between two steps and draws from the global RNG (its DataLoader iterator
+        # takes a seed); a resumed fit does not run it again, so the RNG state is taken after it.
+        if self._opt is not None and not trainer.sanity_checking:
+            self._opt.capture_rng()
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._opt is not None:
             self._opt.flush()  # the last iteration is over: its step is logged

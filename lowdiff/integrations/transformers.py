@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import Trainer, TrainerState
+from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from lowdiff import rng as rng_state
@@ -67,6 +67,18 @@ class _SchedulerSlot:
             self.pending = None
 
 
+class _RngAfterEvaluation(TrainerCallback):
+    """An evaluation during ``train()`` runs between two steps and draws from torch's generator (its DataLoader
+    iterator takes a seed); a resumed Trainer does not evaluate again, so the RNG state is taken after it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.optimizer is not None:  # None: evaluate() before train()
+            lowdiff_optimizer(self.trainer.optimizer).capture_rng()
+
+
 def lowdiff_optimizer(optimizer: Any) -> LowDiffOptimizer:
     """The lowdiff wrapper under the Trainer's optimizer (accelerate wraps it in an ``AcceleratedOptimizer``)."""
     seen = 0
@@ -97,6 +109,7 @@ class LowDiffTrainer(Trainer):
         self._lowdiff_dir: str | None = None
         self._lowdiff_rng: dict[str, Any] = {}
         self._lowdiff_groups: list[dict[str, Any]] = []
+        self.add_callback(_RngAfterEvaluation(self))
 
     @property
     def lowdiff_optimizer(self) -> LowDiffOptimizer:

@@ -74,9 +74,11 @@ def make_scheduler(kind: str, opt: torch.optim.Optimizer) -> Any:
 def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enabled: bool = True,
          attach: str = "inner", scaler: bool = False, skips: tuple[int, ...] = (), every_steps: int = 5,
          batch_steps: int = 2, flush_at: int | None = None, kill_at: int | None = None, raise_at: int | None = None,
-         at: str = "latest") -> dict[str, Any]:
+         at: str = "latest", evaluate_every: int | None = None, persistence: str = "thread") -> dict[str, Any]:
     """The README's loop (a fresh process's objects). ``kill_at``: SIGKILL this process in the middle of that
-    iteration, after ``opt.step()`` and before ``sched.step()``; ``raise_at``: raise there instead."""
+    iteration, after ``opt.step()`` and before ``sched.step()``; ``raise_at``: raise there instead;
+    ``evaluate_every``: an evaluation that draws from the RNG at the end of every such iteration, followed by
+    ``opt.capture_rng()``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -88,7 +90,7 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
             inner = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
         opt = lowdiff.wrap(inner, model, {
             "run_dir": str(run_dir), "enabled": enabled, "compressor": {"name": compressor, "ratio": 0.3, "rank": 2},
-            "snapshot": {"every_steps": every_steps}, "log": {"batch_steps": batch_steps}})
+            "snapshot": {"every_steps": every_steps}, "log": {"batch_steps": batch_steps, "persistence": persistence}})
         scheduler = make_scheduler(sched, opt if attach == "wrapper" else inner)
         opt.track(scheduler, "lr_scheduler")
         grad_scaler = None
@@ -119,6 +121,13 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
                 scheduler.step(losses[it])
             else:
                 scheduler.step()
+            if evaluate_every and it % evaluate_every == 0:
+                model.eval()
+                with torch.no_grad():
+                    for _ in torch.utils.data.DataLoader(range(8), batch_size=4):  # its iterator draws a seed
+                        model(torch.randn(4, 6))  # and the evaluation draws inputs
+                model.train()
+                opt.capture_rng()
             if it == flush_at:
                 opt.flush()
         opt.close()
@@ -218,6 +227,21 @@ def test_resume_at_snapshot_is_exact_for_compressors(tmp_path: Path, compressor:
     assert_same_end(ref, got)
     quarantined = sorted(p.name for p in (tmp_path / "run" / "quarantine").iterdir())
     assert quarantined and all(n.startswith("log-steps-") for n in quarantined)  # steps 11-12 set aside, not lost
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_evaluation_between_steps_is_not_repeated_by_the_resume(tmp_path: Path, persistence: str) -> None:
+    """An evaluation after iteration 6 draws from torch's generator; the resumed run starts at 6 and does not
+    evaluate again, so the RNG state logged for step 6 is the one after the evaluation (``opt.capture_rng()``):
+    the dropout masks of iterations 7.. are the uninterrupted run's. In a persistence process the state taken
+    again travels with the end of the iteration."""
+    ref = loop(tmp_path / "ref", evaluate_every=3, persistence=persistence)
+    # thread: step 6 is durable by the flush; process: the persistence process commits it when the trainer dies
+    crash(tmp_path / "run", evaluate_every=3, persistence=persistence, kill_at=7,
+          flush_at=6 if persistence == "thread" else None)
+    got = loop(tmp_path / "run", evaluate_every=3, persistence=persistence)
+    assert got["start"] == 6
+    assert_same_end(ref, got)
 
 
 def test_iteration_interrupted_by_an_exception_is_redone(tmp_path: Path) -> None:

@@ -53,6 +53,10 @@ class Net(pl.LightningModule):
         self.lr_schedulers().step()
         return None
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
     def configure_optimizers(self) -> Any:
         opt = lowdiff.wrap(torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01), self, self.cfg)
         # attached to the wrapper, which Lightning was given; cycles AdamW's beta1 as well as lr
@@ -67,14 +71,22 @@ def loader() -> ResumableLoader:
 
 
 def fit(run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = None,
-        at: str = "latest", accumulate: int = 1) -> tuple[Net, pl.Trainer, LowDiffCallback]:
+        at: str = "latest", accumulate: int = 1, val_every: int | None = None
+        ) -> tuple[Net, pl.Trainer, LowDiffCallback]:
     pl.seed_everything(123, verbose=False)
     model = Net(run_dir, manual=manual, compressor=compressor, crash_at=crash_at)
     callback = LowDiffCallback(at=at)
+    val = {} if val_every is None else {"val_check_interval": val_every, "limit_val_batches": 2}
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, accumulate_grad_batches=accumulate)
-    trainer.fit(model, train_dataloaders=loader())
+                         num_sanity_val_steps=0, accumulate_grad_batches=accumulate, **val)
+    if val_every is None:
+        trainer.fit(model, train_dataloaders=loader())
+    else:
+        # Validation draws from the global RNG (a DataLoader iterator takes its seed from it): the training
+        # batches after it start from a state opt.step() did not leave.
+        trainer.fit(model, train_dataloaders=loader(), val_dataloaders=DataLoader(
+            TensorDataset(torch.randn(12, 6), torch.randint(0, 3, (12,))), batch_size=6))
     return model, trainer, callback
 
 
@@ -120,6 +132,19 @@ def test_accumulated_gradients_resume_mid_epoch_exactly(tmp_path: Path, crash_at
     got = fit(tmp_path / "run", manual=False, compressor="none", accumulate=2)
     assert got[2].start_step in (crash_at - 1, crash_at)
     assert got[1].current_epoch == ref[1].current_epoch
+    assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("crash_at", [2, 3, 4, 9])
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_validation_every_few_batches_resumes_exactly(tmp_path: Path, crash_at: int, manual: bool) -> None:
+    """Validation after every 2nd batch: what it draws from the RNG between two training steps is part of the
+    uninterrupted run, and a resumed fit does not run again a validation that had run before the crash."""
+    ref = fit(tmp_path / "ref", manual=manual, compressor="none", val_every=2)
+    with pytest.raises(Crash):
+        fit(tmp_path / "run", manual=manual, compressor="none", crash_at=crash_at, val_every=2)
+    got = fit(tmp_path / "run", manual=manual, compressor="none", val_every=2)
+    assert got[2].start_step in (crash_at - 1, crash_at)
     assert_same_end(ref, got)
 
 

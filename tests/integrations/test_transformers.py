@@ -60,7 +60,7 @@ class CrashAt(transformers.TrainerCallback):
 
 
 def train(tmp_path: Path, run: str, *, own_scheduler: bool, compressor: str = "none", crash_at: int | None = None,
-          at: str = "latest") -> LowDiffTrainer:
+          at: str = "latest", eval_every: int | None = None) -> LowDiffTrainer:
     model = Net()
     opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=2e-2), model,
                        {"run_dir": str(tmp_path / run), "compressor": {"name": compressor, "ratio": 0.3},
@@ -69,8 +69,10 @@ def train(tmp_path: Path, run: str, *, own_scheduler: bool, compressor: str = "n
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / f"{run}-out"), max_steps=MAX_STEPS, per_device_train_batch_size=8,
         learning_rate=2e-2, lr_scheduler_type="cosine", warmup_steps=3, save_strategy="no", report_to=[],
-        logging_steps=1000, disable_tqdm=True, use_cpu=True, seed=11, dataloader_num_workers=0)
+        logging_steps=1000, disable_tqdm=True, use_cpu=True, seed=11, dataloader_num_workers=0,
+        **({} if eval_every is None else {"eval_strategy": "steps", "eval_steps": eval_every}))
     trainer = LowDiffTrainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
+                             eval_dataset=None if eval_every is None else torch.utils.data.Subset(Data(), range(12)),
                              callbacks=[CrashAt(crash_at)] if crash_at is not None else None,
                              lowdiff_resume_at=at)
     try:
@@ -111,4 +113,16 @@ def test_topk_resume_at_snapshot_is_exact(tmp_path: Path) -> None:
         train(tmp_path, "run", own_scheduler=True, compressor="topk", crash_at=11)
     got = train(tmp_path, "run", own_scheduler=True, compressor="topk", at="snapshot")
     assert got.lowdiff_start == 8
+    assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("crash_at", [5, 7])
+def test_evaluation_every_few_steps_resumes_exactly(tmp_path: Path, crash_at: int) -> None:
+    """An evaluation every 2 steps draws from torch's generator (its DataLoader iterator takes a seed) between two
+    training steps, and the resumed Trainer does not evaluate again: the RNG state is taken after it."""
+    ref = train(tmp_path, "ref", own_scheduler=True, eval_every=2)
+    with pytest.raises(Crash):
+        train(tmp_path, "run", own_scheduler=True, crash_at=crash_at, eval_every=2)
+    got = train(tmp_path, "run", own_scheduler=True, eval_every=2)
+    assert got.lowdiff_start == crash_at - 1
     assert_same_end(ref, got)
