@@ -27,8 +27,10 @@ class Crash(RuntimeError):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = None) -> None:
+    def __init__(self, run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = None,
+                 sched_frequency: int = 1) -> None:
         super().__init__()
+        self.sched_frequency = sched_frequency
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 3))
         self.automatic_optimization = not manual
@@ -61,7 +63,8 @@ class Net(pl.LightningModule):
         opt = lowdiff.wrap(torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01), self, self.cfg)
         # attached to the wrapper, which Lightning was given; cycles AdamW's beta1 as well as lr
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=MAX_STEPS + 2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": self.sched_frequency}}
 
 
 def loader() -> ResumableLoader:
@@ -71,10 +74,10 @@ def loader() -> ResumableLoader:
 
 
 def fit(run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = None,
-        at: str = "latest", accumulate: int = 1, val_every: int | None = None
+        at: str = "latest", accumulate: int = 1, val_every: int | None = None, sched_frequency: int = 1
         ) -> tuple[Net, pl.Trainer, LowDiffCallback]:
     pl.seed_everything(123, verbose=False)
-    model = Net(run_dir, manual=manual, compressor=compressor, crash_at=crash_at)
+    model = Net(run_dir, manual=manual, compressor=compressor, crash_at=crash_at, sched_frequency=sched_frequency)
     callback = LowDiffCallback(at=at)
     val = {} if val_every is None else {"val_check_interval": val_every, "limit_val_batches": 2}
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
@@ -145,6 +148,18 @@ def test_validation_every_few_batches_resumes_exactly(tmp_path: Path, crash_at: 
         fit(tmp_path / "run", manual=manual, compressor="none", crash_at=crash_at, val_every=2)
     got = fit(tmp_path / "run", manual=manual, compressor="none", val_every=2)
     assert got[2].start_step in (crash_at - 1, crash_at)
+    assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("crash_at", [3, 6, 8, 11])
+def test_scheduler_every_second_batch_resumes_exactly(tmp_path: Path, crash_at: int) -> None:
+    """``frequency: 2``: Lightning steps the scheduler when the batch index within the epoch (from 1) is even,
+    so a resumed epoch must continue the crashed run's batch index (5 batches an epoch: the parity restarts)."""
+    ref = fit(tmp_path / "ref", manual=False, compressor="none", sched_frequency=2)
+    with pytest.raises(Crash):
+        fit(tmp_path / "run", manual=False, compressor="none", crash_at=crash_at, sched_frequency=2)
+    got = fit(tmp_path / "run", manual=False, compressor="none", sched_frequency=2)
+    assert got[2].start_step == crash_at
     assert_same_end(ref, got)
 
 
