@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
+from lowdiff.gc_pause import collector_paused
 from lowdiff.staging import HostSlots, Staged
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
 from lowdiff.storage.segment import StepRecord
@@ -203,9 +204,9 @@ class BackgroundWriter:
                 self._write_batch()
                 item.done.set()
             elif isinstance(item, Staged) and isinstance(item.item, StepRecord):
-                item.wait().unpack()  # a packed record's tensors become views here, off the training thread
+                item.wait()  # kept packed until written (StepRecord.unpacked), off the training thread
                 if self.shadow_ok and self.apply_shadow:
-                    self._apply_shadow(item.item)
+                    self._apply_shadow(item.item.unpacked())
                 if self._broken:
                     item.release()
                     continue
@@ -254,7 +255,8 @@ class BackgroundWriter:
         batch, self._batch = self._batch, []
         t0 = time.perf_counter()
         try:
-            nbytes = self.run_dir.write_segment([r.item for r in batch], self.codec, self.compressor)
+            with collector_paused():  # the unpacked records die young (lowdiff.gc_pause)
+                nbytes = self.run_dir.write_segment([r.item.unpacked() for r in batch], self.codec, self.compressor)
         except BaseException as e:
             self._fail(e)
             return
@@ -272,7 +274,8 @@ class BackgroundWriter:
         state = staged.item
         t0 = time.perf_counter()
         try:
-            nbytes = self.run_dir.write_snapshot(state, self.codec)
+            with collector_paused():
+                nbytes = self.run_dir.write_snapshot(state, self.codec)
         except BaseException as e:
             self._fail(e)
             return

@@ -9,7 +9,7 @@ optimizer group, lr included) and data positions are in the file's metadata.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,18 @@ class StepRecord:
         if self.packed is not None:
             return int(self.packed.layout.payload_nbytes)
         return sum(t.numel() * t.element_size() for p in self.grads.values() for t in p.values())
+
+    def unpacked(self) -> StepRecord:
+        """This record with ``grads`` and ``buffers`` as views of the packed buffer, as a new record; this one stays
+        packed. A writer keeps a segment's records packed until it writes them: a record is then a handful of
+        objects instead of hundreds of tensors and dicts, which lived long enough to reach the garbage collector's
+        oldest generation and made it run full collections (140 ms, holding the GIL) every few seconds."""
+        if self.packed is None:
+            return self
+        from lowdiff.packing import unpack
+
+        grads, buffers = unpack(self.packed.layout.wire, self.packed.buf)
+        return replace(self, grads={**self.grads, **grads}, buffers={**self.buffers, **buffers}, packed=None)
 
     def unpack(self) -> StepRecord:
         """Fill ``grads`` and ``buffers`` from the packed buffer (views of it); a record never packed is left as it
