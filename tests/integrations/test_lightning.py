@@ -55,16 +55,18 @@ class Net(pl.LightningModule):
         self.lr_schedulers().step()
         return None
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self.net(x), y))
-
     def configure_optimizers(self) -> Any:
         opt = lowdiff.wrap(torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01), self, self.cfg)
         # attached to the wrapper, which Lightning was given; cycles AdamW's beta1 as well as lr
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=MAX_STEPS + 2)
         return {"optimizer": opt,
                 "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": self.sched_frequency}}
+
+
+class ValidatedNet(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
 
 
 def loader() -> ResumableLoader:
@@ -77,7 +79,8 @@ def fit(run_dir: Path, *, manual: bool, compressor: str, crash_at: int | None = 
         at: str = "latest", accumulate: int = 1, val_every: int | None = None, sched_frequency: int = 1
         ) -> tuple[Net, pl.Trainer, LowDiffCallback]:
     pl.seed_everything(123, verbose=False)
-    model = Net(run_dir, manual=manual, compressor=compressor, crash_at=crash_at, sched_frequency=sched_frequency)
+    model = (Net if val_every is None else ValidatedNet)(run_dir, manual=manual, compressor=compressor,
+                                                        crash_at=crash_at, sched_frequency=sched_frequency)
     callback = LowDiffCallback(at=at)
     val = {} if val_every is None else {"val_check_interval": val_every, "limit_val_batches": 2}
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
