@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from dataclasses import field as dc_field
 from operator import attrgetter
 from typing import Any
 
@@ -41,7 +40,9 @@ Wire = tuple[list[Key], list[Region], list[tuple[int, tuple[int, ...]]]]
 class StepLayout:
     id: int
     keys: list[Key]
-    shapes: list[tuple[torch.dtype, torch.Size]]
+    sizes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    """Per key, its tensor's shape and dtype (two lists: :meth:`StepPacker.plan` compares each at C speed)."""
     regions: list[Region]
     places: list[tuple[int, tuple[int, ...]]]
     members: list[list[int]]
@@ -52,9 +53,6 @@ class StepLayout:
     nbytes: int
     payload_nbytes: int
     """Bytes of the payloads alone (buffers excluded): what the tuner counts as a record's size."""
-    sizes: list[torch.Size] = dc_field(default_factory=list)
-    dtypes: list[torch.dtype] = dc_field(default_factory=list)
-    """``shapes`` split in two lists, for :meth:`StepPacker.plan`'s check."""
 
     @property
     def wire(self) -> Wire:
@@ -100,8 +98,8 @@ class StepPacker:
         """The layout of these tensors and whether it is new; (None, False) when they cannot be packed together
         (on different devices)."""
         old = self._layout
-        # Checked every step, so in two passes of C-level attribute reads: half the cost of building
-        # (dtype, shape) pairs, for Top-k's hundreds of tensors.
+        # Checked every step, in two passes of C-level attribute reads: half the cost of building (dtype, shape)
+        # pairs, for Top-k's hundreds of tensors.
         if (old is not None and keys == old.keys and list(map(_shape, tensors)) == old.sizes
                 and list(map(_dtype, tensors)) == old.dtypes):
             return old, False
@@ -137,8 +135,8 @@ def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Siz
     for (dt, _), r in index.items():
         regions.append((dt, offset, numels[r]))
         offset += aligned(numels[r] * dt.itemsize)
-    return StepLayout(lid, list(keys), shapes, regions, places, members, [rows for _, rows in index], device,
-                      offset, payload, [s for _, s in shapes], [d for d, _ in shapes])
+    return StepLayout(lid, list(keys), [s for _, s in shapes], [d for d, _ in shapes], regions, places, members,
+                      [rows for _, rows in index], device, offset, payload)
 
 
 def region_parts(layout: StepLayout, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], int]]:

@@ -81,11 +81,15 @@ def _numpy_state() -> torch.Tensor:
 
 
 def _numpy_state_slow() -> torch.Tensor:
-    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
-    name, key, pos, has_gauss, cached = legacy
+    return _bytes_tensor(_legacy_bytes(np.random.get_state(legacy=True)))
+
+
+def _legacy_bytes(state: object) -> bytes:
+    """A ``RandomState.get_state(legacy=True)`` tuple in the NUMPY layout (FORMAT.md §7)."""
+    name, key, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", state)
     if name != "MT19937" or key.shape != (_MT_WORDS,):
         raise UnsupportedError(f"numpy's global generator is {name}; lowdiff records MT19937 only")
-    return _bytes_tensor(key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached)))
+    return key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached))
 
 
 class _NumpyReader:
@@ -120,7 +124,7 @@ class _NumpyReader:
         with rs._bit_generator.lock:  # the lock RandomState draws under
             raw = self._read(rs, self._offset)
         self._reads += 1
-        if self._reads % self.CHECK_EVERY == 1 and raw != bytes(_numpy_state_slow().numpy()):
+        if self._reads % self.CHECK_EVERY == 1 and raw != _legacy_bytes(np.random.get_state(legacy=True)):
             log.error("lowdiff: reading numpy's generator state directly disagreed with get_state(); "
                       "using get_state() from now on")
             self._offset = None
@@ -151,9 +155,7 @@ class _NumpyReader:
             offset = found[0]
             for draws in (0, 1, 2, 3, 700):  # an odd number of normals leaves a cached gaussian
                 probe.standard_normal(draws)
-                key, pos, has_gauss, cached = probe.get_state(legacy=True)[1:]
-                want = key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached))
-                if cls._read(probe, offset) != want:
+                if cls._read(probe, offset) != _legacy_bytes(probe.get_state(legacy=True)):
                     return None
             return offset
         except Exception as e:  # any surprise in numpy's internals: the documented way stays
