@@ -49,7 +49,7 @@ def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = 
     # On a GPU torch.topk is fast, and the sampled path's candidate count would synchronize with the host.
     if cpu and n >= _SAMPLED_MIN_NUMEL and k * 8 < n:
         sample_idx = torch.randint(0, n, (_SAMPLE_SIZE,), device=flat.device, generator=generator)
-        sample = mag[sample_idx]
+        sample = mag.index_select(0, sample_idx)
         # Aim for ~2k candidates so one pass almost always has at least k: the sample's value of that rank.
         keep = min(_SAMPLE_SIZE, max(1, math.ceil(2.0 * k / n * _SAMPLE_SIZE)))
         threshold = torch.kthvalue(sample, _SAMPLE_SIZE - keep + 1).values
@@ -57,8 +57,9 @@ def select_topk(flat: torch.Tensor, k: int, generator: torch.Generator | None = 
             if workspace is not None else mag >= threshold
         candidates = nonzero_flat(mask)  # ascending
         if candidates.numel() >= k:
-            top = torch.topk(mag[candidates], k, sorted=False).indices
-            return candidates[_positions_mask(top, candidates.numel())]  # still ascending, without a sort
+            top = torch.topk(mag.index_select(0, candidates), k, sorted=False).indices
+            # still ascending, without a sort
+            return torch.masked_select(candidates, _positions_mask(top, candidates.numel()))
     return torch.sort(torch.topk(mag, k, sorted=False).indices).values
 
 
@@ -77,9 +78,7 @@ def nonzero_flat(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _positions_mask(positions: torch.Tensor, n: int) -> torch.Tensor:
-    mask = torch.zeros(n, dtype=torch.bool, device=positions.device)
-    mask[positions] = True
-    return mask
+    return torch.zeros(n, dtype=torch.bool, device=positions.device).index_fill_(0, positions, True)
 
 
 class TopKCompressor(Compressor):
@@ -106,9 +105,11 @@ class TopKCompressor(Compressor):
             gen.manual_seed(0x10D1FF)
             self._generator[fqn] = gen
         idx = select_topk(acc, k_for(acc.numel(), self.ratio), gen, self._workspace)
-        values = acc[idx]
+        # index_select and index_fill_ rather than acc[idx]: the same bits without the Python indexing machinery
+        # (3.3 -> 1.9 us and 3.8 -> 2.8 us a call here; a step makes one of each per parameter).
+        values = acc.index_select(0, idx)
         if self.error_feedback:
-            acc[idx] = 0  # acc becomes what this step dropped
+            acc.index_fill_(0, idx, 0)  # acc becomes what this step dropped
             self._residual[fqn] = acc
         if comm is None or comm.world_size == 1:
             return {"values": values, "indices": idx.to(torch.int32)}
@@ -135,7 +136,7 @@ def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], nume
         dense.index_add_(0, i.long(), v)  # indices within one rank are unique: no atomics race on GPU
     dense.div_(world_size)
     union = torch.unique(torch.cat(indices).long())  # sorted
-    return {"values": dense[union], "indices": union.to(torch.int32)}
+    return {"values": dense.index_select(0, union), "indices": union.to(torch.int32)}
 
 
 def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...],
