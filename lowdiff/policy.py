@@ -19,10 +19,14 @@ from lowdiff.writer import WriterStats
 
 
 class SnapshotPolicy(Protocol):
-    every_steps: int
-    """Snapshot interval in force."""
-    batch_steps: int
-    """Steps per log segment in force."""
+    @property
+    def every_steps(self) -> int:
+        """Snapshot interval in force."""
+
+    @property
+    def batch_steps(self) -> int:
+        """Steps per log segment in force."""
+
     last_snapshot_step: int
 
     def start(self, durable_step: int) -> None:

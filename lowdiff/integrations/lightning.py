@@ -137,7 +137,9 @@ def _set_progress(trainer: Trainer, pl_module: LightningModule, step: int, loade
     done = -(-loader.offset // (loader.batch_size * sampler.replicas_per_step))
     batches = loop.batch_progress
     for tracker, value in ((batches.current, done), (batches.total, epoch * int(trainer.num_training_batches) + done)):
-        tracker.ready = tracker.started = tracker.processed = tracker.completed = value
+        # Typed as the base tracker (ready, completed), built as the processed one (started and processed too).
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(tracker, counter, value)
     # As a restore from a Lightning checkpoint saved after the last completed batch: the epoch loop keeps these
     # counters (instead of zeroing them) when it starts, and its data fetcher counts the consumed batches as fetched.
     loop.restarting = True

@@ -47,7 +47,7 @@ class FastSqrtState(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     min_elems = SQRT_MIN_ELEMS
 
-    def sqrt(self) -> torch.Tensor:  # type: ignore[override]
+    def sqrt(self) -> torch.Tensor:
         return exact_sqrt(self.as_subclass(torch.Tensor), self.min_elems)
 
 

@@ -129,9 +129,9 @@ class Stepper:
         total = sum(sizes)
         mine: list[list[int]] = [[] for _ in range(nworkers)]
         acc = 0
-        for i, n in enumerate(sizes):
-            mine[min(nworkers - 1, (2 * acc + n) * nworkers // (2 * total))].append(i)
-            acc += n
+        for i, elems in enumerate(sizes):
+            mine[min(nworkers - 1, (2 * acc + elems) * nworkers // (2 * total))].append(i)
+            acc += elems
         self.opts, self.gmaps = [], []
         for idx in mine:
             groups, gmap = [], []

@@ -94,7 +94,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
                     ps = [_flat_cat(e.raw)]
             else:
                 ps = [_u8(c) for c in e.raw]
-            views = [memoryview(p.numpy()) for p in ps if p.numel()]
+            views = [p.numpy().data for p in ps if p.numel()]
             n = sum(v.nbytes for v in views)
             crc = 0
             for v in views:
@@ -115,7 +115,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
             else:
                 joined = torch.cat([_u8(c) for c in e.raw])
             raw_nbytes = joined.numel()
-            encoded = codecs.encode(codec, memoryview(joined.numpy()), _itemsize(e.fields.get("dtype")))
+            encoded = codecs.encode(codec, joined.numpy().data, _itemsize(e.fields.get("dtype")))
             nbytes = memoryview(encoded).nbytes
             descriptors.append({**e.fields, "name": e.name, "codec": codec, "offset": offset, "nbytes": nbytes,
                                 "raw_nbytes": raw_nbytes, "crc32": _crc32(encoded)})

@@ -180,7 +180,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def tensor_from_bytes(buf: bytes | bytearray | memoryview | np.ndarray, dtype: torch.dtype,
