@@ -173,6 +173,14 @@ class Checkpointer:
         if submit is not None:
             submit(record, keep_if_orphaned)
 
+    def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
+        """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process
+        that holds the record, and would commit it as it is if the training process died now, gets the new state
+        at once; a writer thread sees it when the iteration ends."""
+        retake = getattr(self._writer, "retake_rng", None)
+        if retake is not None:
+            retake(record)
+
     def on_drop(self, step: int) -> None:
         """The iteration of ``step`` was interrupted and is not logged (its record was handed over early)."""
         drop = getattr(self._writer, "drop", None)

@@ -165,6 +165,7 @@ class IterationEnd:
         p.record.item.rng = rng
         if p.snapshot is not None:
             p.snapshot.item.rng = dict(rng)
+        self.checkpointer.on_rng_retaken(p.record)
         return True
 
     def end_free(self) -> bool:

@@ -231,6 +231,11 @@ class _Session:
             if rng is not None:
                 staged.item.rng = _rng_tensors(rng)
             self.submit(staged)
+        elif kind == "rng":  # taken again after an evaluation (opt.capture_rng()); the iteration goes on
+            _, step, rng = msg
+            if self.pending is None or self.pending[0].item.step != step:
+                raise RuntimeError(f"lowdiff persistence: an RNG state for step {step}, which is not held")
+            self.pending[0].item.rng = _rng_tensors(rng)
         elif kind == "drop":
             staged, _ = self._take_pending(msg[1])
             staged.release()

@@ -103,6 +103,7 @@ class ProcessWriter:
         self._outbox: Any = None  # a seal waiting for the next message
         self._kept_if_orphaned = False
         self._rng_sent: Any = None  # the RNG state the last record was handed over with
+        self._early_step: int | None = None  # the step handed over early whose iteration has not ended
         self.start_wait_s = 0.0
         """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         ours, theirs = socket.socketpair()
@@ -251,6 +252,7 @@ class ProcessWriter:
                     rec.data, rec.skipped, keep_if_orphaned))
         if layout.id not in self._layouts_sent:
             remember(self._layouts_sent, layout.id, None)
+        self._early_step = rec.step
 
     def _pack_here(self, rec: StepRecord) -> PackedStep | None:
         """A record the stager did not pack into this ring (layer-wise captures, a replaced ring): packed now."""
@@ -265,10 +267,22 @@ class ProcessWriter:
         pack_host(layout, tensors, slot.buf)
         return PackedStep(slot.buf, layout, slot.handle)
 
+    def retake_rng(self, record: Staged[StepRecord]) -> None:
+        """The RNG state of the record handed over early was taken again (``opt.capture_rng()``, after an
+        evaluation). If this process would commit that record as it is should the trainer die now, the new state
+        goes at once: a death before the iteration ends would otherwise commit the state from before the
+        evaluation's draws. Otherwise it goes with the seal."""
+        rec = record.item
+        if not self._kept_if_orphaned or rec.step != self._early_step:
+            return
+        self._rng_sent = rec.rng
+        self._send(("rng", rec.step, {k: v.numpy().tobytes() for k, v in rec.rng.items()}))
+
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
         rec = record.item
         record.release()
+        self._early_step = None
         # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
         rng = None if rec.rng is self._rng_sent else {k: v.numpy().tobytes() for k, v in rec.rng.items()}
         msg = ("seal", rec.step, rec.data, rec.end_groups, rng)
@@ -280,6 +294,7 @@ class ProcessWriter:
             self._send(msg)
 
     def drop(self, step: int) -> None:
+        self._early_step = None
         self._send(("drop", step))
 
     def submit_snapshot(self, state: Staged[SnapshotState]) -> None:

@@ -521,3 +521,42 @@ def test_sigterm_while_a_step_waits_for_the_starting_persistence_process_loses_n
             proc.wait(timeout=30)
     rec = lowdiff.recover(tmp_path / "run", workers=1)
     assert returned <= rec.step <= returned + 1, (returned, rec.step)
+
+
+_CAPTURE_THEN_KILL = """
+import os, signal, sys, torch
+import lowdiff
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                   {"run_dir": sys.argv[1], "log": {"persistence": "process", "batch_steps": 2},
+                    "snapshot": {"every_steps": 100}})
+for step in range(1, 4):
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+torch.randn(100)  # an evaluation after step 3 draws from torch's generator
+opt.capture_rng()
+torch.save(torch.get_rng_state(), sys.argv[2])
+model(torch.randn(5, 4))  # iteration 4 has started; the trainer dies before its opt.step()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path: Path) -> None:
+    """``opt.capture_rng()`` after an evaluation, then SIGKILL before the next ``opt.step()``: the persistence
+    process, which commits the step handed over at ``opt.step()``, commits it with the state taken after the
+    evaluation (it had been handed over with the state before it), so the resume draws what the uninterrupted
+    run draws next."""
+    run_dir, after_eval = tmp_path / "run", tmp_path / "rng.pt"
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE_THEN_KILL, str(run_dir), str(after_eval)],
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    with lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                      {"run_dir": str(run_dir), "log": {"persistence": "process", "batch_steps": 2},
+                       "snapshot": {"every_steps": 100}}) as opt:  # waits for the dead trainer's process
+        assert opt.resume() == 3
+        assert torch.equal(torch.get_rng_state(), torch.load(after_eval))
