@@ -11,13 +11,16 @@ for the write they are never promoted, and the collections it postponed run, che
 The pause is process-wide (``gc.disable``); it is counted, so overlapping writes (several writer threads) resume it
 once, and only if it was enabled before the first of them. A ``gc.disable()`` made by another thread during a write is
 undone at its end: the one interaction with user code, and harmless to correctness. A write that stalls (a hung
-disk) keeps the collector paused meanwhile: reference counting frees memory as usual, cyclic garbage waits.
+disk) keeps the collector paused meanwhile: reference counting frees memory as usual, cyclic garbage waits. A process
+forked during a write (a DataLoader worker) has no writer thread to end the pause: it starts with the collector as
+it was before the write, and a fresh lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -38,6 +41,20 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+            if _depth:  # 0: this process was forked inside the pause, which the fork handler ended
+                _depth -= 1
+                if _depth == 0 and _was_enabled:
+                    gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _depth
+    _lock = threading.Lock()  # a writer thread of the parent may have held it at the fork
+    if _depth:
+        _depth = 0
+        if _was_enabled:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

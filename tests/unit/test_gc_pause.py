@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -57,4 +58,32 @@ def test_resumed_after_an_exception_and_by_the_last_of_overlapping_threads() -> 
     assert not gc.isenabled()  # the other thread's write is not over
     release.set()
     t.join(10)
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_process_forked_during_a_write_collects_garbage() -> None:
+    """A DataLoader worker forked while the writer thread writes has no writer thread to end the pause: it starts
+    with the collector as it was before the write, can pause it again itself (a fresh lock), and leaving the write
+    it was forked in changes nothing."""
+    gc.enable()
+    ok = False
+    try:
+        with collector_paused():
+            pid = os.fork()
+            if pid == 0:
+                ok = gc.isenabled()
+                with collector_paused():
+                    ok = ok and not gc.isenabled()
+                ok = ok and gc.isenabled()
+        if pid == 0:
+            ok = ok and gc.isenabled()
+            with collector_paused():
+                ok = ok and not gc.isenabled()
+            ok = ok and gc.isenabled()
+    finally:
+        if pid == 0:  # the child reports through its exit status and never returns into pytest
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
     assert gc.isenabled()
