@@ -116,20 +116,31 @@ class _NumpyReader:
         if not self._tried:
             self._tried = True
             self._offset = self._find_offset()
-        if self._offset is None:
+        offset = self._offset  # once: another thread may give the direct read up meanwhile
+        if offset is None:
             return None
         rs = getattr(np.random.get_state, "__self__", None)  # the generator np.random's functions draw from
         if type(rs) is not np.random.RandomState or type(rs._bit_generator) is not np.random.MT19937:
             return None
         with rs._bit_generator.lock:  # the lock RandomState draws under
-            raw = self._read(rs, self._offset)
+            raw = self._read(rs, offset)
         self._reads += 1
-        if self._reads % self.CHECK_EVERY == 1 and raw != _legacy_bytes(np.random.get_state(legacy=True)):
+        if self._reads % self.CHECK_EVERY == 1 and not self._agrees(rs, offset):
             log.error("lowdiff: reading numpy's generator state directly disagreed with get_state(); "
                       "using get_state() from now on")
             self._offset = None
             return None
         return raw
+
+    def _agrees(self, rs: np.random.RandomState, offset: int) -> bool:
+        """The direct read equals ``get_state()``. ``get_state()`` takes the generator's lock itself, so another
+        thread may draw between it and the read: a difference is looked at again before it counts."""
+        for _ in range(3):
+            slow = _legacy_bytes(np.random.get_state(legacy=True))
+            with rs._bit_generator.lock:
+                if self._read(rs, offset) == slow:
+                    return True
+        return False
 
     @staticmethod
     def _read(rs: np.random.RandomState, offset: int) -> bytes:
