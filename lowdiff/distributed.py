@@ -23,10 +23,6 @@ log = logging.getLogger(__name__)
 BARRIER_TIMEOUT_S = 300.0
 
 
-def is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
 class ProcessGroupComm:
     """The two collectives compressors use, over a torch.distributed process group."""
 

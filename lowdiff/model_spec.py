@@ -41,12 +41,23 @@ class ModelSpec:
         return self.stored if self.stored is not None else self.manifest
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose names the run records (DDP's ``module.`` prefix dropped)."""
-    inner = getattr(model, "module", None)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(inner, torch.nn.Module):
-        return inner
-    return model
+def wrapper_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model`` and each module it wraps, to the innermost: through DDP (``module``) and ``torch.compile``
+    (``_orig_mod``), in any nesting. The run records the innermost module's names (no ``module.`` or
+    ``_orig_mod.`` prefix), so it does not depend on how the model was wrapped for training (torch's distributed
+    checkpoint state dicts drop the same prefixes); the wrappers share its parameters and buffers."""
+    chain = [model]
+    while True:
+        m = chain[-1]
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            inner = m.module
+        elif type(m).__name__ == "OptimizedModule":  # torch._dynamo's, without importing torch._dynamo for it
+            inner = getattr(m, "_orig_mod", None)
+        else:
+            return chain
+        if not isinstance(inner, torch.nn.Module):
+            return chain
+        chain.append(inner)
 
 
 def describe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config) -> ModelSpec:

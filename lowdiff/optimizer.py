@@ -18,7 +18,7 @@ from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
 from lowdiff.compressors import make_compressor
 from lowdiff.config import Config, load_config, resolve_codec
-from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, is_ddp, lowdiff_comm_hook, owned_names
+from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, lowdiff_comm_hook, owned_names
 from lowdiff.errors import LowDiffError, UnsupportedError
 from lowdiff.iteration import AT_END, AT_STEP, IterationEnd, Pending, Tracker, is_grad_scaler
 from lowdiff.lifecycle import (
@@ -32,7 +32,7 @@ from lowdiff.lifecycle import (
     same_tensor,
     wants_layerwise,
 )
-from lowdiff.model_spec import describe, unwrap_model
+from lowdiff.model_spec import describe, wrapper_chain
 from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume
 from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
@@ -72,23 +72,26 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             raise LowDiffError("this optimizer is already wrapped by lowdiff")
         refuse_reevaluating(optimizer)
         self.inner = optimizer
-        self.model = unwrap_model(model)
+        chain = wrapper_chain(model)
+        self.model = chain[-1]
+        # Also inside torch.compile(DDP(model)).
+        ddp = next((m for m in chain if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
         self.config = config
         self._spec = describe(self.model, optimizer, config)
         cc = config.compressor
         self.compressor = make_compressor(cc.name, ratio=cc.ratio, rank=cc.rank, error_feedback=cc.error_feedback)
         self._sharded: fsdp.Sharded | None = None
-        self._coord = Coordinator(is_ddp(model) or fsdp.is_fsdp(self.model))
+        self._coord = Coordinator(ddp is not None or fsdp.is_fsdp(self.model))
         if fsdp.is_fsdp(self.model):  # each rank logs and snapshots its own shards (lowdiff/fsdp.py)
             fsdp.check_config(config)
             self._spec, self._sharded = fsdp.shard_spec(self._spec, optimizer, self._coord.rank,
                                                         self._coord.world_size)
         self._hook: HookState | None = None
-        if is_ddp(model):
+        if ddp is not None:
             names = {id(p): n for n, p in self._spec.params.items()}
             self._hook = HookState(self.compressor, names, ProcessGroupComm())
             try:
-                model.register_comm_hook(self._hook, lowdiff_comm_hook)  # type: ignore[operator]
+                ddp.register_comm_hook(self._hook, lowdiff_comm_hook)
             except RuntimeError as e:
                 raise LowDiffError(f"cannot install lowdiff's DDP communication hook ({e}); lowdiff brings its own "
                                    "compression hook: do not register another one") from e

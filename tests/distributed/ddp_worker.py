@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
     ap.add_argument("--probe", action="store_true", help="with --auto: a busy writer, so the tuner probes")
     ap.add_argument("--persistence", default="thread", help="log.persistence: thread or process")
+    ap.add_argument("--compiled", action="store_true", help="torch.compile(DDP(model)) (eager backend) to lowdiff")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -57,6 +58,8 @@ def main() -> None:
     if args.continuous_rng:
         torch.manual_seed(99 + rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if args.compiled:
+        ddp = torch.compile(ddp, backend="eager")
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cfg = {
         "run_dir": args.run_dir,

@@ -83,6 +83,16 @@ def test_process_persistence_one_process_per_rank_exact(tmp_path: Path) -> None:
     assert any(".shard-00001-of-00002" in p.name for p in (tmp_path / "run" / "log").iterdir())
 
 
+def test_compiled_ddp_model_is_exact(tmp_path: Path) -> None:
+    """``torch.compile(DDP(model))`` handed to lowdiff: its DDP is found inside (the compression hook, each rank's
+    share of the files) and the run records the model's own names."""
+    torchrun(2, str(tmp_path / "run"), "topk", "8", str(tmp_path / "ref.pt"), "--compiled")
+    refs = torch.load(tmp_path / "ref.pt", weights_only=False)
+    for step, model_sd, optim_sd in refs:
+        assert_matches(lowdiff.recover(tmp_path / "run", step=step), model_sd, optim_sd)
+    assert any(".shard-00001-of-00002" in p.name for p in (tmp_path / "run" / "log").iterdir())
+
+
 def test_resume_on_another_world_size(tmp_path: Path, topk_run: tuple[Path, list]) -> None:
     src, refs = topk_run
     run = tmp_path / "run"

@@ -74,21 +74,24 @@ def make_scheduler(kind: str, opt: torch.optim.Optimizer) -> Any:
 def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enabled: bool = True,
          attach: str = "inner", scaler: bool = False, skips: tuple[int, ...] = (), every_steps: int = 5,
          batch_steps: int = 2, flush_at: int | None = None, kill_at: int | None = None, raise_at: int | None = None,
-         at: str = "latest", evaluate_every: int | None = None, persistence: str = "thread") -> dict[str, Any]:
+         at: str = "latest", evaluate_every: int | None = None, persistence: str = "thread",
+         compiled: bool = False) -> dict[str, Any]:
     """The README's loop (a fresh process's objects). ``kill_at``: SIGKILL this process in the middle of that
     iteration, after ``opt.step()`` and before ``sched.step()``; ``raise_at``: raise there instead;
     ``evaluate_every``: an evaluation that draws from the RNG at the end of every such iteration, followed by
-    ``opt.capture_rng()``."""
+    ``opt.capture_rng()``; ``compiled``: the loop trains ``torch.compile(model)`` (the eager backend: the same
+    kernels, no compiler needed) and hands lowdiff that."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         model = Net()
+        net = torch.compile(model, backend="eager") if compiled else model
         if sched == "cyclic":
             inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         else:
             inner = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-        opt = lowdiff.wrap(inner, model, {
+        opt = lowdiff.wrap(inner, net, {
             "run_dir": str(run_dir), "enabled": enabled, "compressor": {"name": compressor, "ratio": 0.3, "rank": 2},
             "snapshot": {"every_steps": every_steps}, "log": {"batch_steps": batch_steps, "persistence": persistence}})
         scheduler = make_scheduler(sched, opt if attach == "wrapper" else inner)
@@ -101,7 +104,7 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
         for it in range(start + 1, STEPS + 1):
             g = torch.Generator().manual_seed(1000 + it)
             x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(net(x), y)
             losses[it] = loss.item()
             if it in skips:
                 loss = loss * math.inf  # inf gradients: the scaler skips the step
@@ -183,6 +186,18 @@ def test_scheduler_attached_to_the_wrapper(tmp_path: Path) -> None:
     crash(tmp_path / "run", sched="sequential", attach="wrapper", flush_at=5, kill_at=6)
     got = loop(tmp_path / "run", sched="sequential", attach="wrapper")
     assert got["start"] == 5
+    assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("before,after", [(True, False), (False, True), (True, True)])
+def test_a_compiled_model_resumes_compiled_or_not(tmp_path: Path, before: bool, after: bool) -> None:
+    """``torch.compile(model)`` names its parameters ``_orig_mod.*``: lowdiff records the model's own names, so a run
+    trained compiled resumes into the plain model and the other way round, and recovery gives the plain names."""
+    ref = loop(tmp_path / "ref", sched="onecycle", compressor="topk", enabled=False)
+    crash(tmp_path / "run", sched="onecycle", compressor="topk", every_steps=3, flush_at=6, kill_at=7, compiled=before)
+    assert set(lowdiff.recover(tmp_path / "run").model) == set(ref["model"])
+    got = loop(tmp_path / "run", sched="onecycle", compressor="topk", every_steps=3, at="snapshot", compiled=after)
+    assert got["start"] == 6
     assert_same_end(ref, got)
 
 
