@@ -31,8 +31,9 @@ from lowdiff.recovery.replayer import (
 )
 from lowdiff.storage import layout
 from lowdiff.storage.format import MANIFEST, decode_value
-from lowdiff.storage.log_reader import Chain, candidates_for
+from lowdiff.storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff.storage.manifest import Manifest, read_manifest
+from lowdiff.storage.segment import SegmentReader
 from lowdiff.storage.snapshot import read_rank_state
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     skipped: list[str] = []
     damaged: set[Path] = set()
     relists = 0
+    contested_notes = _screen_contested(root, manifest, damaged, skipped)
     while True:
         # Each damaged file found is treated as missing and the plan redone: an older snapshot can stand in
         # for a damaged one; a damaged segment moves the latest durable step back to the step before it.
@@ -132,6 +134,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             if skipped:
                 raise CorruptFileError(f"{root}: no undamaged snapshot and log reach step "
                                        f"{'the latest' if step is None else step}: {'; '.join(skipped)}") from e
+            if contested_notes:
+                raise StepNotAvailableError(f"{e}; {'; '.join(contested_notes)}") from e
             raise
         chains = [c for c in chains if _one_layout(manifest, c, target)]
         if not chains:
@@ -172,10 +176,30 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
                                    "invalid in a way lowdiff does not check (please report it)") from e
         report = RecoveryReport(step=target, snapshot_step=chain.snapshot_step, steps_replayed=result.steps,
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
-                                total_s=time.perf_counter() - t_start, skipped=skipped)
+                                total_s=time.perf_counter() - t_start, skipped=skipped + contested_notes)
         if own is not None:
             return _assemble_own(stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
         return _assemble(manifest, result, target, chain, report, device, rank)
+
+
+def _screen_contested(root: Path, manifest: Manifest, damaged: set[Path], skipped: list[str]) -> list[str]:
+    """Segments holding the same steps (log_reader.chains stops before those). Each is opened first: one that
+    does not belong where it lies (damaged, misnamed, another run's) is treated as damaged, like any such file,
+    and contests nothing. The notes for the pairs left, also logged."""
+    pairs = contested(root, frozenset(damaged))
+    for seg in {s.files.name: s for pair in pairs for s in pair}.values():
+        try:
+            SegmentReader(seg.files, layout.for_files(manifest, seg.files), seg.first, seg.last).close()
+        except FileVanishedError:
+            continue  # listed again by the caller's loop
+        except CorruptFileError as e:
+            log.warning("recovery: %s; stepping around it", e)
+            skipped.append(str(e))
+            damaged.update(seg.files.paths)
+    notes = [contested_note(a, b) for a, b in contested(root, frozenset(damaged))]
+    for note in notes:
+        log.warning("recovery: %s", note)
+    return notes
 
 
 def _one_layout(manifest: Manifest, chain: Chain, target: int) -> bool:

@@ -41,6 +41,10 @@ def _check_recover_args(args: argparse.Namespace) -> None:
             raise LowDiffError(f"--output {out}: directory {parent} does not exist; create it first")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise LowDiffError(f"--output {out}: directory {parent} is not writable")
+        run_dir = Path(args.run_dir).resolve()
+        if out.resolve() == run_dir or run_dir in out.resolve().parents:
+            raise LowDiffError(f"--output {out} is inside the run directory {args.run_dir}, where it could replace "
+                               "one of the run's files; write it elsewhere")
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from lowdiff.recovery.api import check_optimizer
 from lowdiff.recovery.optimizers import check_snapshot_state
 from lowdiff.storage.format import DTYPES, list_segments, list_snapshots
 from lowdiff.storage.layout import for_files
-from lowdiff.storage.log_reader import chains
+from lowdiff.storage.log_reader import chains, contested, contested_note
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.segment import SegmentReader
 from lowdiff.storage.snapshot import read_rank_state, read_snapshot
@@ -88,13 +88,15 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
             bad.update(files.paths)
         if progress is not None:
             progress(1)
-    prev_last = None
+    snapshot_steps = set(list_snapshots(root))
+    reach = None
     for first, last, files in list_segments(root):
         report.files += 1
-        if prev_last is not None and first != prev_last + 1:
-            report.problems.append(f"log gap or overlap: a segment ends at step {prev_last}, the next starts at "
-                                   f"{first} ({files.name})")
-        prev_last = last
+        # A gap the log goes on from a snapshot after is what resume(at="snapshot") leaves: nothing is lost.
+        if reach is not None and first > reach + 1 and first - 1 not in snapshot_steps:
+            report.problems.append(f"log gap: no segment holds steps {reach + 1}-{first - 1} and no snapshot is at "
+                                   f"step {first - 1}, so {files.name} extends no earlier snapshot")
+        reach = last if reach is None else max(reach, last)
         try:
             _check_segment(for_files(manifest, files), files, first, last)
         except FileVanishedError as e:
@@ -104,8 +106,9 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
             bad.update(files.paths)
         if progress is not None:
             progress(1)
-    reach = [c.end for c in chains(root, frozenset(bad))]
-    report.latest_step = max(reach) if reach else None
+    report.problems += [contested_note(a, b) for a, b in contested(root, frozenset(bad))]
+    ends = [c.end for c in chains(root, frozenset(bad))]
+    report.latest_step = max(ends) if ends else None
     return report
 
 

@@ -106,6 +106,18 @@ def test_compact_then_recover_is_still_exact(run) -> None:
     assert_state_equal(*refs[STEPS], rec)
 
 
+def test_recover_refuses_an_output_inside_the_run_directory(run, capsys) -> None:
+    """``--output`` naming one of the run's files (or any path under it) would replace it with the recovered
+    state: refused before anything is read, and the file is left as it was."""
+    root, _ = run
+    for target in (next((root / "log").iterdir()), root / "manifest.json", root / "state.pt"):
+        before = target.read_bytes() if target.exists() else None
+        assert cli.recover_main([str(root), "--output", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "inside the run directory" in err, err
+        assert (target.read_bytes() if target.exists() else None) == before
+
+
 @pytest.mark.parametrize("args,message", [
     (["--output", "/nonexistent/dir/x.pt"], "directory /nonexistent/dir does not exist"),
     (["--workers", "0"], "--workers must be at least 1"),
