@@ -176,15 +176,19 @@ class IterationEnd:
         """The held iteration is over: take the tracked state and the hyperparameters now, complete the record
         (and its snapshot) and hand it to the checkpointer. Returns its step (None: nothing held). A tracked state
         that cannot be logged is left out of the record and, when ``strict``, raised afterwards."""
-        p, self.pending = self.pending, None
+        p = self.pending
         if p is None:
             return None
         from lowdiff.stager import encode_groups
 
         end, errors = self.tracker.state(AT_END)
+        # Raises for a hyperparameter that cannot be logged: the iteration stays held (its record and snapshot
+        # with it, nothing leaks), and the next opt.step() seals it again.
+        end_groups = encode_groups(self.optimizer.param_groups)
+        self.pending = None
         rec = p.record.item
         rec.data = {**rec.data, **end}
-        rec.end_groups = encode_groups(self.optimizer.param_groups)
+        rec.end_groups = end_groups
         if p.snapshot is not None:
             p.snapshot.item.extra["data"] = dict(rec.data)
             p.snapshot.item.extra["end_groups"] = rec.end_groups
@@ -201,7 +205,10 @@ class IterationEnd:
         nothing is tracked at the end of an iteration: then its opt.step() returned with the iteration's whole
         state, and it is logged (a crash loses no step whose opt.step() returned)."""
         if self.pending is not None and self.end_free():
-            return self.seal(strict=False)
+            try:
+                return self.seal(strict=False)
+            except Exception as e:  # its end cannot be logged (a hyperparameter): dropped as interrupted
+                log.error("lowdiff: the end of iteration %d cannot be logged (%s)", self.pending.record.item.step, e)
         p, self.pending = self.pending, None
         if p is None:
             return None

@@ -452,7 +452,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         snapshot, block_s = None, 0.0
         if self._checkpointer.needs_capture(step):
             t_snap = time.perf_counter()
-            snapshot = self._stager.snapshot(step, record.item.data, self._checkpointer.slots)
+            try:
+                snapshot = self._stager.snapshot(step, record.item.data, self._checkpointer.slots)
+            except BaseException:
+                # Ctrl-C while it waited for the previous snapshot, a state_dict() that raised: the inner step is
+                # applied, so its record is still held and logged (without this snapshot), then the error goes on.
+                self._iteration.hold(Pending(record, None, 0.0, apply_s))
+                raise
             block_s = time.perf_counter() - t_snap
         self._iteration.hold(Pending(record, snapshot, block_s, apply_s))
 

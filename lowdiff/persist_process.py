@@ -392,8 +392,13 @@ class ProcessWriter:
         return got
 
     def _send_arena(self, kind: str, ring_id: int, arena: Arena) -> None:
+        # One masked stretch: a SIGINT between the message and its descriptor would leave the child reading the
+        # next message as the descriptor.
+        _whole(self._send_arena_now, kind, ring_id, arena)
+
+    def _send_arena_now(self, kind: str, ring_id: int, arena: Arena) -> None:
         self._send(("arena", kind, ring_id, arena.nbytes))
-        _whole(send_handle, self._conn, arena.fd, self._proc.pid)
+        send_handle(self._conn, arena.fd, self._proc.pid)
 
     def _send(self, msg: Any) -> None:
         """Send ``msg``; a dead persistence process is recorded (raised by the next ``take_error``), not raised.

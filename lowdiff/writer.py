@@ -246,10 +246,19 @@ class BackgroundWriter:
                     None, f"background write in {self.run_dir.path} failed: {e!r}")
                 self._reported = False
         self._broken = True
+        self._drop(self._batch)
         self._batch = []
+
+    @staticmethod
+    def _drop(records: list[Staged[StepRecord]]) -> None:
+        """Records that will not be written: their buffers go back (in a persistence process, ring slots the
+        trainer would otherwise wait for once the ring wraps)."""
+        for r in records:
+            r.release()
 
     def _write_batch(self) -> None:
         if not self._batch or self._broken:
+            self._drop(self._batch)
             self._batch = []
             return
         batch, self._batch = self._batch, []
@@ -287,6 +296,7 @@ class BackgroundWriter:
         if self._broken:
             log.warning("lowdiff: snapshot at step %d committed; checkpointing resumes from it", state.step)
             self._broken = False
+            self._drop([r for r in self._batch if r.item.step <= state.step])
             self._batch = [r for r in self._batch if r.item.step > state.step]
         with self._lock:
             self._durable_step = max(self._durable_step, state.step)

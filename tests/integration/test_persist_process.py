@@ -560,3 +560,115 @@ def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path:
                        "snapshot": {"every_steps": 100}}) as opt:  # waits for the dead trainer's process
         assert opt.resume() == 3
         assert torch.equal(torch.get_rng_state(), torch.load(after_eval))
+
+
+_SNAPSHOT_FAILS_MID_SEGMENT = """
+import errno, sys, torch
+import lowdiff, lowdiff.testing
+import lowdiff.persist_process as pp
+pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+        "run_dir": sys.argv[1], "compressor": {"name": "none"}, "on_write_error": "warn",
+        "snapshot": {"every_steps": 3}, "log": {"batch_steps": 4, "queue_depth": 1, "persistence": "process"}})
+for _ in range(40):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("trained", opt.iteration, flush=True)
+opt.close()
+"""
+
+
+def test_a_failed_snapshot_write_gives_the_open_segments_slots_back(tmp_path: Path) -> None:
+    """``on_write_error: warn`` and a disk that refuses writes: the snapshot of step 3 fails while steps 1-3 wait in
+    the open segment. Their ring slots come back (they were dropped without being freed, and once the ring wrapped
+    the next step waited for them forever)."""
+    proc = subprocess.run([sys.executable, "-c", _SNAPSHOT_FAILS_MID_SEGMENT, str(tmp_path / "run")],
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0 and "trained 40" in proc.stdout, proc.stderr[-3000:]
+
+
+_SNAPSHOT_STAGING_INTERRUPTED = """
+import sys, torch
+import lowdiff
+import lowdiff.persist_process as pp
+pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
+
+def train(run_dir, persistence, interrupt_at):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = lowdiff.wrap(inner, model, {"run_dir": run_dir, "snapshot": {"every_steps": 3},
+                                      "log": {"batch_steps": 2, "queue_depth": 1, "persistence": persistence}})
+    real = inner.state_dict
+    def state_dict():  # Ctrl-C while the step's snapshot is being staged
+        inner.state_dict = real
+        raise KeyboardInterrupt
+    for step in range(1, 31):
+        model(torch.full((2, 4), float(step))).sum().backward()
+        if step == interrupt_at:
+            inner.state_dict = state_dict
+            try:
+                opt.step()
+            except KeyboardInterrupt:
+                pass  # a notebook: the cell is run again, the loop goes on
+        else:
+            opt.step()
+        opt.zero_grad()
+    opt.close()
+    return model.state_dict(), inner.state_dict()
+
+ref_model, ref_opt = train(sys.argv[1] + "/ref", sys.argv[2], None)
+train(sys.argv[1] + "/run", sys.argv[2], 6)
+rec = lowdiff.recover(sys.argv[1] + "/run")
+assert rec.step == 30, rec.step
+assert all(torch.equal(v, rec.model[k]) for k, v in ref_model.items())
+assert all(torch.equal(v, rec.optimizer["state"][i][k]) for i, st in ref_opt["state"].items() for k, v in st.items())
+print("exact", flush=True)
+"""
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_an_interrupted_snapshot_staging_keeps_the_step_logged(tmp_path: Path, persistence: str) -> None:
+    """Ctrl-C (or any exception) while ``opt.step()`` stages a snapshot, after the inner step was applied: the
+    step is still logged (without that snapshot) and the run goes on. The record was neither handed over nor given
+    back: the next segment failed (``steps must be consecutive``) and, with a persistence process, its ring slot
+    stayed taken until training waited for it forever."""
+    proc = subprocess.run([sys.executable, "-c", _SNAPSHOT_STAGING_INTERRUPTED, str(tmp_path), persistence],
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0 and "exact" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_an_iteration_whose_end_cannot_be_logged_stays_held_until_it_can(tmp_path: Path, persistence: str) -> None:
+    """A hyperparameter that cannot be logged, set after a snapshot step's ``opt.step()``: the next ``opt.step()``
+    raises before doing anything and keeps the iteration (and its snapshot) held; once the value is put right the
+    run goes on exactly. The snapshot's slot was lost (the next snapshot waited for it forever)."""
+    def train(run_dir: Path, bad_after: int | None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = lowdiff.wrap(inner, model, {"run_dir": str(run_dir), "snapshot": {"every_steps": 2},
+                                          "log": {"batch_steps": 3, "persistence": persistence}})
+        for step in range(1, 13):
+            model(torch.full((2, 4), float(step))).sum().backward()
+            if step - 1 == bad_after:
+                with pytest.raises(lowdiff.UnsupportedError):
+                    opt.step()
+                inner.param_groups[0]["lr"] = 0.1
+            opt.step()
+            opt.zero_grad()
+            if step == bad_after:
+                inner.param_groups[0]["lr"] = object()  # not a value a log can hold
+        opt.close()
+        return model.state_dict(), inner.state_dict()
+
+    ref_model, ref_opt = train(tmp_path / "ref", None)
+    train(tmp_path / "run", 4)
+    rec = lowdiff.recover(tmp_path / "run")
+    assert rec.step == 12
+    assert all(torch.equal(v, rec.model[k]) for k, v in ref_model.items())
+    assert all(torch.equal(v, rec.optimizer["state"][i][k]) for i, st in ref_opt["state"].items() for k, v in st.items())
