@@ -107,6 +107,9 @@ class _PositionedSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         epoch, seed, offset = _check_position(state, type(self).__name__)
         self.epoch, self.seed, self.offset = epoch, seed, offset
+        # A position at the end of an epoch (taken before the loop asked past its last index) is the next
+        # epoch's start: ``epoch`` then names the epoch to run, as a loop over range(sampler.epoch, E) expects.
+        self._roll_over()
 
 
 class ResumableSampler(_PositionedSampler):
@@ -256,13 +259,18 @@ class ResumableLoader(Generic[T]):
         self._epoch, self._offset = s.epoch, s.offset
         start, epoch = self._offset, self._epoch
         remaining = s.remaining()
+        # With drop_last the epoch's last batch leaves the partial one unread: it ends the epoch all the same.
+        last = remaining // self.batch_size if self.loader.drop_last else -1
         if self._generator is not None:
             self._generator.manual_seed((s.seed * 1_000_003 + epoch) % (1 << 63))
         consumed = 0
         if remaining:
             for batch in self.loader:
                 consumed += 1
-                self._offset = s.offset_after(start, min(consumed * self.batch_size, remaining))
+                if consumed == last:
+                    self._offset = max(s.epoch_samples, start)
+                else:
+                    self._offset = s.offset_after(start, min(consumed * self.batch_size, remaining))
                 yield batch
         if self._epoch == epoch:
             self._epoch, self._offset = epoch + 1, 0

@@ -308,6 +308,51 @@ def test_loader_counts_consumed_batches_not_prefetched_ones() -> None:
     assert len(rest) == math.ceil(38 / 4)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_an_epoch_consumed_to_its_last_batch_resumes_in_the_next_one(drop_last: bool) -> None:
+    """The position taken at an epoch's last step (inside opt.step(), before the loop asks for another batch)
+    resumes at the start of the next epoch, so a loop ``for epoch in range(loader.epoch, E)`` does not run the
+    finished epoch's end (a per-epoch scheduler step) again. With ``drop_last`` the last batch ends the epoch two
+    samples short of the sampler's length: it counted as unfinished."""
+    def make() -> ResumableLoader:
+        return ResumableLoader(DataLoader(range(50), batch_size=8, sampler=ResumableSampler(50, seed=5),
+                                          drop_last=drop_last))
+
+    loader, seen = make(), []
+    for n, batch in enumerate(loader, 1):
+        seen.append(batch.tolist())
+        if n == len(loader):
+            state = loader.state_dict()  # what opt.step() of the epoch's last iteration logs
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    whole = make()
+    epochs = [[b.tolist() for b in whole] for _ in range(2)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == epochs[1]
+    # A consumer that takes len(loader) batches and never asks past them (Lightning) gets every epoch whole.
+    counts, loader = [], make()
+    for _ in range(4):
+        it = iter(loader)
+        counts.append(sum(1 for _ in zip(range(len(loader)), it)))
+    assert counts == [len(loader)] * 4
+
+
+def test_a_bare_sampler_at_the_end_of_an_epoch_resumes_in_the_next_one() -> None:
+    """A sampler's position at its epoch's last index (a DataLoader without workers has not asked past it yet):
+    loaded, it is the next epoch's start, so ``sampler.epoch`` names the epoch to run."""
+    sampler = ResumableSampler(48, seed=3)
+    batches = list(DataLoader(range(48), batch_size=8, sampler=sampler))
+    assert len(batches) == 6
+    fresh = ResumableSampler(48, seed=3)
+    fresh.load_state_dict({"epoch": 0, "seed": 3, "offset": 48})
+    assert (fresh.epoch, fresh.offset) == (1, 0)
+    nxt = ResumableSampler(48, seed=3)
+    nxt.set_epoch(1)
+    assert list(fresh) == list(nxt)
+
+
 def test_loader_iteration_leaves_global_rng_alone() -> None:
     loader = ResumableLoader(DataLoader(range(10), batch_size=4, sampler=ResumableSampler(10)))
     before = torch.get_rng_state()
