@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.config import resolve_codec
+from lowdiff.errors import LowDiffError
 from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
 from lowdiff.storage import layout
@@ -41,8 +42,15 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     try:
         run.run_id = manifest.run_id
         rec = recover(root, step=step, workers=workers)
+        newer = sorted(s for s in list_snapshots(root) if s > rec.step)
+        if keep and len(newer) >= keep:
+            raise LowDiffError(f"compact --step {rec.step} --keep {keep}: {len(newer)} snapshot(s) newer than step "
+                               f"{rec.step} ({newer[:4]}) would be kept instead of the one this writes, and the log "
+                               f"reaching step {rec.step} deleted; keep at least {len(newer) + 1}, or leave --keep out")
         wrote = False
-        if rec.step not in list_snapshots(root):
+        # Recovery started from a snapshot at this very step only if one is there intact: a damaged one (stepped
+        # around) is written again, else retention would count it as the snapshot to keep and delete the rest.
+        if rec.report.snapshot_step != rec.step:
             codec = codec or resolve_codec(str(manifest.config.get("log", {}).get("codec", "auto")),
                                            str(manifest.config.get("compressor", {}).get("name", "none")))
             state = snapshot_from_recovered(manifest, rec)

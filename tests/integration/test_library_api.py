@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
@@ -28,6 +29,36 @@ def test_inspect_verify_compact(tmp_path: Path) -> None:
     assert after.snapshot_steps == [10] and after.segments == [] and after.latest_step == 10
     assert lowdiff.verify(run).ok
     assert_state_equal(*refs[10], lowdiff.recover(run))
+
+
+def test_compact_replaces_a_damaged_snapshot_at_its_step_before_pruning(tmp_path: Path) -> None:
+    """The newest snapshot, at the latest step, is damaged: recovery reaches that step from an older snapshot and
+    the log. ``compact(keep=1)`` must write the step's snapshot again before pruning: it counted the damaged file as
+    the snapshot to keep and deleted every file recovery had used, leaving the run unrecoverable."""
+    run = tmp_path / "run"
+    refs = train_run(SCENARIO, run, 8).refs  # snapshots 0, 4, 8: the newest at the latest step
+    snap = run / "snapshots" / "step-0000000008.h5"
+    data = bytearray(snap.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    res = lowdiff.compact(run, keep=1)
+    assert res.step == 8 and res.wrote_snapshot
+    assert lowdiff.inspect(run).snapshot_steps == [8]
+    assert lowdiff.verify(run).ok
+    assert_state_equal(*refs[8], lowdiff.recover(run))
+
+
+def test_compact_of_an_older_step_refuses_a_keep_that_would_delete_it(tmp_path: Path) -> None:
+    """``compact(step=5, keep=1)`` with snapshots after step 5: keeping the newest one would delete the snapshot
+    just written for step 5 (and the log reaching it), so it is refused before anything is written or deleted."""
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 10)
+    before = sorted(p.name for p in run.rglob("*.h5"))
+    with pytest.raises(lowdiff.LowDiffError, match="newer"):
+        lowdiff.compact(run, step=5, keep=1)
+    assert sorted(p.name for p in run.rglob("*.h5")) == before
+    res = lowdiff.compact(run, step=5, keep=3)  # 5, 8 and the newest kept: allowed
+    assert 5 in lowdiff.inspect(run).snapshot_steps and res.wrote_snapshot
 
 
 def test_verify_names_a_damaged_file(tmp_path: Path) -> None:
