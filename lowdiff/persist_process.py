@@ -56,6 +56,11 @@ def _send_bytes(conn: Connection, msg: Any) -> None:
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}
 
 
+def _rng_bytes(rng: dict[str, Any]) -> dict[str, bytes]:
+    """A record's or snapshot's RNG states as the message carries them (the child turns them back into tensors)."""
+    return {k: v.numpy().tobytes() for k, v in rng.items()}
+
+
 def _whole(io: Any, *args: Any) -> Any:
     """One message's socket I/O with SIGTERM and SIGINT held back (in the main thread, where their handlers run):
     a handler that raises in the middle (lowdiff's SIGTERM handler after its deferrals, KeyboardInterrupt) would
@@ -246,7 +251,7 @@ class ProcessWriter:
         layout = packed.layout
         self._kept_if_orphaned = keep_if_orphaned
         self._rng_sent = rec.rng
-        rng = {k: v.numpy().tobytes() for k, v in rec.rng.items()}
+        rng = _rng_bytes(rec.rng)
         self._send(("rec", rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                     None if layout.id in self._layouts_sent else layout.wire, rng, rec.groups,
                     rec.data, rec.skipped, keep_if_orphaned))
@@ -276,7 +281,7 @@ class ProcessWriter:
         if not self._kept_if_orphaned or rec.step != self._early_step:
             return
         self._rng_sent = rec.rng
-        self._send(("rng", rec.step, {k: v.numpy().tobytes() for k, v in rec.rng.items()}))
+        self._send(("rng", rec.step, _rng_bytes(rec.rng)))
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
@@ -284,7 +289,7 @@ class ProcessWriter:
         record.release()
         self._early_step = None
         # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
-        rng = None if rec.rng is self._rng_sent else {k: v.numpy().tobytes() for k, v in rec.rng.items()}
+        rng = None if rec.rng is self._rng_sent else _rng_bytes(rec.rng)
         msg = ("seal", rec.step, rec.data, rec.end_groups, rng)
         if self._kept_if_orphaned:
             # The persistence process would commit this record as it is if the trainer died now: the seal rides
@@ -309,7 +314,7 @@ class ProcessWriter:
             return
         packed.packed.handle[1]["sent"] = True
         where = packed.packed.layout
-        rng = {k: v.numpy().tobytes() for k, v in snap.rng.items()}
+        rng = _rng_bytes(snap.rng)
         self._send(("snap", snap.step, where.regions, where.places, packed.skel, rng, snap.param_groups,
                     snap.compressor_name, snap.extra))
 

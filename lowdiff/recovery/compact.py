@@ -41,12 +41,13 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     run.open()  # the writer lock: refuses to run beside a live trainer
     try:
         run.run_id = manifest.run_id
-        rec = recover(root, step=step, workers=workers)
-        newer = sorted(s for s in list_snapshots(root) if s > rec.step)
+        # Refused before the replay: without --step the target is the latest step, which no snapshot passes.
+        newer = sorted(s for s in list_snapshots(root) if step is not None and s > step)
         if keep and len(newer) >= keep:
-            raise LowDiffError(f"compact --step {rec.step} --keep {keep}: {len(newer)} snapshot(s) newer than step "
-                               f"{rec.step} ({newer[:4]}) would be kept instead of the one this writes, and the log "
-                               f"reaching step {rec.step} deleted; keep at least {len(newer) + 1}, or leave --keep out")
+            raise LowDiffError(f"compact --step {step} --keep {keep}: {len(newer)} snapshot(s) newer than step "
+                               f"{step} ({newer[:4]}) would be kept instead of the one this writes, and the log "
+                               f"reaching step {step} deleted; keep at least {len(newer) + 1}, or leave --keep out")
+        rec = recover(root, step=step, workers=workers)
         wrote = False
         # Recovery started from a snapshot at this very step only if one is there intact: a damaged one (stepped
         # around) is written again, else retention would count it as the snapshot to keep and delete the rest.
