@@ -100,6 +100,7 @@ class ProcessWriter:
         self._snap: Arena | None = None
         self._snap_id = 0  # which snapshot arena a slot handed out lies in
         self._snap_busy = False
+        self._snap_copying: Staged[SnapshotState] | None = None  # handed over once its copies complete
         self._flushed = -1
         self._token = 0
         self._closed = False
@@ -214,6 +215,7 @@ class ProcessWriter:
         persistence process is gone. Waits until the previous snapshot is written: one is in flight at a time
         (CheckFreq), so the arena is free again then; that wait counts as back-pressure (``stats.blocked_s``)."""
         t0 = time.perf_counter()
+        self._settle_snapshot(block=True)  # the previous one: this process frees the arena once it is written
         if not self._wait(lambda: not self._snap_busy):
             return None
         if self._ready:
@@ -239,7 +241,10 @@ class ProcessWriter:
         """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended).
         ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
         tracked changes at the end of an iteration)."""
-        rec = record.wait()  # on a GPU: this step's copies into the ring are complete
+        # On a GPU: this step's copies into the ring are complete (no returned step may depend on copies still in
+        # flight when the trainer dies), and so, perhaps, are a snapshot's before it.
+        rec = record.wait()
+        self._settle_snapshot(block=False)
         packed = rec.packed
         if packed is None or packed.handle is None or packed.handle[0] != self._ring_id:
             packed = self._pack_here(rec)
@@ -303,14 +308,34 @@ class ProcessWriter:
         self._send(("drop", step))
 
     def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
-        """Hand over a snapshot the stager packed into the snapshot arena (:meth:`alloc_snapshot`)."""
-        snap = state.wait()  # on a GPU: the copies into the arena are complete
+        """Hand over a snapshot the stager packed into the snapshot arena (:meth:`alloc_snapshot`). On a GPU whose
+        copies into the arena are still running it goes once they complete, seen at a later step's hand-over (or
+        at the next snapshot, a flush, a close): training does not wait for a snapshot's copies, which may take
+        tens of milliseconds, as it does for a step's. Until then the snapshot is not in the persistence process:
+        a trainer that dies meanwhile loses it, not a step (recovery replays from the snapshot before it)."""
+        snap = state.item
         packed = snap.packed
         if packed is None or packed.packed.handle is None or packed.packed.handle[0] != self._snap_id:
             state.release()  # staged without the arena: only when the persistence process is gone
             if not self._dead:
                 log.error("lowdiff: the snapshot of step %d was not staged into the persistence process's arena; "
                           "it is not written (recovery replays from the snapshot before it)", snap.step)
+            return
+        self._snap_copying = state
+        self._settle_snapshot(block=False)
+
+    def _settle_snapshot(self, *, block: bool) -> None:
+        """Send the snapshot whose copies were in flight when it was handed over, if they have completed (with
+        ``block``: once they have)."""
+        state = self._snap_copying
+        if state is None or (not block and state.ready is not None and not state.ready.query()):
+            return
+        self._snap_copying = None
+        snap = state.wait()
+        packed = snap.packed
+        assert packed is not None and packed.packed.handle is not None
+        if packed.packed.handle[0] != self._snap_id:  # replaced meanwhile: only when the process is gone
+            state.release()
             return
         packed.packed.handle[1]["sent"] = True
         where = packed.packed.layout
@@ -332,6 +357,7 @@ class ProcessWriter:
         if self._dead or self._closed:
             self._drain()
             return self._durable_step
+        self._settle_snapshot(block=True)
         self._token += 1
         token = self._token
         self._send(("flush", token))
@@ -436,6 +462,7 @@ class ProcessWriter:
             self._recv(block=False)
 
     def _push(self) -> None:
+        self._settle_snapshot(block=False)
         if self._outbox is not None:
             msg, self._outbox = self._outbox, None
             self._send(msg)

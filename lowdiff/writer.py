@@ -92,6 +92,7 @@ class BackgroundWriter:
         self._error: BaseException | None = None
         self._reported = False
         self._broken = False
+        self._lost = -1  # the latest step of a record dropped (not written) so far
         self._batch: list[Staged[StepRecord]] = []
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth * batch_steps + 2)
         self._lock = threading.Lock()
@@ -208,7 +209,7 @@ class BackgroundWriter:
                 if self.shadow_ok and self.apply_shadow:
                     self._apply_shadow(item.item.unpacked())
                 if self._broken:
-                    item.release()
+                    self._drop([item])
                     continue
                 self._batch.append(item)
                 if len(self._batch) >= self.batch_steps:
@@ -249,11 +250,11 @@ class BackgroundWriter:
         self._drop(self._batch)
         self._batch = []
 
-    @staticmethod
-    def _drop(records: list[Staged[StepRecord]]) -> None:
+    def _drop(self, records: list[Staged[StepRecord]]) -> None:
         """Records that will not be written: their buffers go back (in a persistence process, ring slots the
         trainer would otherwise wait for once the ring wraps)."""
         for r in records:
+            self._lost = max(self._lost, r.item.step)
             r.release()
 
     def _write_batch(self) -> None:
@@ -293,7 +294,12 @@ class BackgroundWriter:
         self.stats.write_s += time.perf_counter() - t0
         self.stats.snapshots += 1
         self.stats.snapshot_bytes += nbytes
-        if self._broken:
+        if self._broken and self._lost > state.step:
+            # A persistence process hands a snapshot over once its GPU copies complete, after the records of the
+            # steps since: the log resumes only from a snapshot after every record dropped.
+            log.warning("lowdiff: snapshot at step %d committed; step %d after it was not written, so checkpointing "
+                        "resumes at the next snapshot", state.step, self._lost)
+        elif self._broken:
             log.warning("lowdiff: snapshot at step %d committed; checkpointing resumes from it", state.step)
             self._broken = False
             self._drop([r for r in self._batch if r.item.step <= state.step])

@@ -23,6 +23,8 @@ from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 import lowdiff
 import lowdiff.testing
 from lowdiff.packing import KNOWN_LAYOUTS
+from lowdiff.storage.format import list_snapshots
+from lowdiff.storage.lock import wait_for_persistence
 
 CHILD = Path(__file__).with_name("kill9_child.py")
 STEPS = 40
@@ -673,3 +675,65 @@ def test_an_iteration_whose_end_cannot_be_logged_stays_held_until_it_can(tmp_pat
     assert all(torch.equal(v, rec.model[k]) for k, v in ref_model.items())
     for i, st in ref_opt["state"].items():
         assert all(torch.equal(v, rec.optimizer["state"][i][k]) for k, v in st.items())
+
+
+_SNAPSHOT_COPIES_IN_FLIGHT = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from lowdiff_harness import Scenario, start
+import lowdiff.staging
+
+# A snapshot's copies "in flight" as on a GPU (a CUDA event the copies complete at): done after `polls` queries,
+# or at once when synchronize() is called, which counts as the training thread waiting for them.
+polls, last, kill = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "kill"
+waited = []
+
+class InFlight:
+    def __init__(self):
+        self.left = polls
+    def query(self):
+        self.left -= 1
+        return self.left < 0
+    def synchronize(self):
+        if self.left >= 0:
+            waited.append(self.left)
+        self.left = -1
+
+real_pack = lowdiff.staging.HostCopier.pack
+def pack(self, layout, tensors, buf):
+    ready = real_pack(self, layout, tensors, buf)
+    return InFlight() if all(key == ("", "") for key in layout.keys) else ready  # a snapshot's layout
+lowdiff.staging.HostCopier.pack = pack
+
+t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])
+for k in range(1, last + 1):
+    t.step(k)
+print("waited", len(waited), flush=True)
+if kill:
+    os.kill(os.getpid(), signal.SIGKILL)
+t.opt.close()
+"""
+
+
+@pytest.mark.parametrize("polls,last,kill,waits,snapshots", [
+    (2, 30, False, 0, [0, 12, 24]),  # each handed over two steps later; none waited for
+    (10**9, 30, True, 1, [0, 12]),   # never done: the next snapshot waits for step 12's; step 24's dies unsent
+])
+def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: Path, reference, polls: int,
+                                                                      last: int, kill: bool, waits: int,
+                                                                      snapshots: list[int]) -> None:
+    """On a GPU a snapshot's copies into the persistence process's arena take tens of milliseconds: the training
+    thread hands it over once they complete, seen at a later step, instead of waiting for them (a step's own copies
+    are waited for: no returned step may depend on copies in flight when the trainer dies). A trainer killed
+    before then loses the snapshot, never a step, and recovery is exact."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", _SNAPSHOT_COPIES_IN_FLIGHT, str(run_dir),
+                          json.dumps(SCENARIO.to_dict()), str(Path(__file__).parents[1]), str(polls), str(last),
+                          "kill" if kill else "close"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == (-signal.SIGKILL if kill else 0), out.stderr[-3000:]
+    assert f"waited {waits}" in out.stdout, out.stdout
+    wait_for_persistence(run_dir, 60, lambda: None)  # the killed trainer's process commits what it was handed
+    assert sorted(list_snapshots(run_dir)) == snapshots
+    rec = lowdiff.recover(run_dir, workers=1)
+    assert rec.step == last
+    assert_state_equal(*reference.refs[last], rec)

@@ -81,3 +81,44 @@ def test_cuts_and_batch_size_changes_never_wait_for_a_full_queue(tmp_path: Path)
     # Pairs up to the change after step 10, which cut the open segment [9, 10]; nothing after it.
     assert [(a, b) for a, b, _ in list_segments(tmp_path)] == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
     assert w.batch_steps == 1
+
+
+def test_a_snapshot_that_arrives_after_dropped_records_does_not_resume_the_log(tmp_path: Path) -> None:
+    """A persistence process gets a snapshot once its GPU copies complete, after the records of the steps since.
+    A write failure in between drops those records: the log may resume only from a snapshot after every dropped
+    record, or recovery would find a gap and the writer would report steps durable that are not reachable."""
+    import errno
+
+    import lowdiff.testing
+    from lowdiff.storage.snapshot import SnapshotState
+
+    for d in (LOG_DIR, SNAPSHOT_DIR):
+        (tmp_path / d).mkdir()
+    w = BackgroundWriter(RunDir(tmp_path), batch_steps=2, codec="none", compressor="none", queue_depth=4,
+                         retention=RetentionPolicy(), durable_step=0)
+    full = {"on": True}
+
+    def pwritev(fd: int, bufs: list, offset: int) -> int:
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "full")
+        return lowdiff.testing.real_pwritev(fd, bufs, offset)
+
+    def snapshot(step: int) -> Staged[SnapshotState]:
+        return Staged(SnapshotState(step=step, params={"w": torch.full((4,), float(step))},
+                                    param_groups=[{"lr": 0.1, "params": ["w"]}]))
+
+    with lowdiff.testing.intercept_writes(pwritev):
+        for s in (1, 2, 3, 4):  # [1, 2] fails; 3 and 4 are dropped, the writer broken
+            w.submit_record(_record(s))
+        assert w.flush() == 0 and w.take_error() is not None
+        full["on"] = False
+        w.submit_snapshot(snapshot(2))  # written, but steps 3 and 4 are gone: the log does not resume from it
+        for s in (5, 6):
+            w.submit_record(_record(s))
+        assert w.flush() == 2
+        w.submit_snapshot(snapshot(6))  # after every dropped record: the log resumes here
+        for s in (7, 8):
+            w.submit_record(_record(s))
+        assert w.flush() == 8
+    w.close()
+    assert [(a, b) for a, b, _ in list_segments(tmp_path)] == [(7, 8)]
