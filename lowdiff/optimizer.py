@@ -16,7 +16,8 @@ from lowdiff import fsdp, lifecycle
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer, CheckpointStats, LayerwiseStats, make_policy
-from lowdiff.compressors import make_compressor
+from lowdiff.compressors import Payload, make_compressor
+from lowdiff.compressors.base import StepPayloads
 from lowdiff.config import Config, load_config, resolve_codec
 from lowdiff.distributed import Coordinator, HookState, ProcessGroupComm, lowdiff_comm_hook, owned_names
 from lowdiff.errors import LowDiffError, UnsupportedError
@@ -390,32 +391,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._checkpointer.check()
         t_apply = time.perf_counter()
         aggregated = self._hook.take() if self._hook is not None else None
-        grads: dict[str, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for name, p in self._spec.optimized:
-                g = fsdp.local(p.grad)
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise UnsupportedError(f"parameter {name!r} has a sparse gradient; lowdiff logs dense ones")
-                if aggregated is not None:
-                    payload = aggregated.get(name)
-                    if payload is None:
-                        raise LowDiffError(f"parameter {name!r} has a gradient DDP's communication hook did not "
-                                           "aggregate this step (accumulating outside no_sync()?)")
-                else:
-                    payload, decoded = self.compressor.compress_decode(name, g)
-                    if not same_tensor(decoded, g):
-                        fsdp.set_grad(p, g, decoded)
-                if name in self._owned_log:
-                    grads[name] = payload
+        grads, payloads = self._payloads(aggregated)
         ckpt = self._checkpointer
         copies, stage_s, data = None, 0.0, {}
         if ckpt is not None:
             data = self._step_state()  # before anything changes: a state that cannot be logged stops the step here
             # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
             t_stage = time.perf_counter()
-            copies = self._stager.copy_step(grads, ckpt.slots)
+            copies = self._stager.copy_step(grads, ckpt.slots, payloads)
             stage_s = time.perf_counter() - t_stage
         groups = encode_groups(self.inner.param_groups)
         for pre in list(self._optimizer_step_pre_hooks.values()):
@@ -431,6 +414,37 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if ckpt is not None and copies is not None:
             self._hold(self._stager.finish_step(copies, step, groups, data), apply_s)
         return loss if closure is not None else out
+
+    def _payloads(self, aggregated: dict[str, Payload] | None
+                  ) -> tuple[dict[str, dict[str, torch.Tensor]], StepPayloads | None]:
+        """Every gradient's payload, compressed here (or by DDP's communication hook: ``aggregated``) and decoded
+        into ``.grad``. Returns the payloads of the parameters this rank logs, and where the compressor wrote them
+        if it wrote them all into its reused buffers (lowdiff.compressors.base.StepPayloads)."""
+        grads: dict[str, dict[str, torch.Tensor]] = {}
+        if aggregated is None:
+            self.compressor.begin_step()
+        try:
+            with torch.no_grad():
+                for name, p in self._spec.optimized:
+                    g = fsdp.local(p.grad)
+                    if g is None:
+                        continue
+                    if g.is_sparse:
+                        raise UnsupportedError(f"parameter {name!r} has a sparse gradient; lowdiff logs dense ones")
+                    if aggregated is not None:
+                        payload = aggregated.get(name)
+                        if payload is None:
+                            raise LowDiffError(f"parameter {name!r} has a gradient DDP's communication hook did not "
+                                               "aggregate this step (accumulating outside no_sync()?)")
+                    else:
+                        payload, decoded = self.compressor.compress_decode(name, g)
+                        if not same_tensor(decoded, g):
+                            fsdp.set_grad(p, g, decoded)
+                    if name in self._owned_log:
+                        grads[name] = payload
+        finally:
+            payloads = self.compressor.end_step() if aggregated is None else None
+        return grads, payloads
 
     def _check_usable(self) -> None:
         if self._loop.closed:

@@ -17,7 +17,7 @@ Keys are ``(parameter, field)`` for payloads and ``("", buffer name)`` for chang
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Any
 
@@ -103,12 +103,17 @@ class StepPacker:
         if (old is not None and keys == old.keys and list(map(_shape, tensors)) == old.sizes
                 and list(map(_dtype, tensors)) == old.dtypes):
             return old, False
-        shapes = [(t.dtype, t.shape) for t in tensors]
-        devices = {t.device for t in tensors}
-        if len(devices) > 1:
-            return None, False
-        self._layout = _layout(next(_LAYOUT_IDS), keys, shapes, next(iter(devices), torch.device("cpu")))
-        return self._layout, True
+        self._layout = layout_of(keys, tensors)
+        return self._layout, self._layout is not None
+
+
+def layout_of(keys: list[Key], tensors: list[torch.Tensor]) -> StepLayout | None:
+    """A new layout for these tensors; None when they cannot be packed together (on different devices)."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        return None
+    return _layout(next(_LAYOUT_IDS), keys, [(t.dtype, t.shape) for t in tensors],
+                   next(iter(devices), torch.device("cpu")))
 
 
 def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Size]],
@@ -137,6 +142,31 @@ def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Siz
         offset += aligned(numels[r] * dt.itemsize)
     return StepLayout(lid, list(keys), [s for _, s in shapes], [d for d, _ in shapes], regions, places, members,
                       [rows for _, rows in index], device, offset, payload)
+
+
+def from_flats(layout: StepLayout, n_payload: int,
+               flats: dict[torch.dtype, int]) -> tuple[StepLayout, list[torch.dtype]] | None:
+    """``layout`` packed from other pieces: the flat tensors a compressor wrote a step's payloads into, one per
+    dtype (lowdiff.compressors.base.StepPayloads; ``flats``: their numel), then the buffers. The payloads are
+    ``layout``'s first ``n_payload`` keys, 1-D, and lie in their flat in key order; then the region of a dtype
+    begins with its whole flat, and a step is packed by copying the flats instead of concatenating the payloads.
+    Returns the layout whose ``members`` index ``[flat of each dtype returned, in order] + buffers``, or None when
+    the payloads do not lie that way."""
+    order: list[torch.dtype] = []
+    heads: list[int] = []
+    for (dt, _, _), members, rows in zip(layout.regions, layout.members, layout.rows):
+        head = sum(1 for i in members if i < n_payload)
+        if head and (rows != () or any(i >= n_payload for i in members[:head]) or dt in order
+                     or flats.get(dt) != sum(layout.sizes[i].numel() for i in members[:head])):
+            return None
+        if head:
+            order.append(dt)
+        heads.append(head)
+    if len(order) != len(flats):
+        return None
+    pieces = [([order.index(layout.regions[r][0])] if head else [])
+              + [len(order) + i - n_payload for i in layout.members[r][head:]] for r, head in enumerate(heads)]
+    return replace(layout, id=next(_LAYOUT_IDS), members=pieces), order
 
 
 def region_parts(layout: StepLayout, tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], int]]:

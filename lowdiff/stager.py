@@ -24,11 +24,11 @@ import torch
 from lowdiff import ring
 from lowdiff import rng as rng_state
 from lowdiff.capture import LayerwiseCapture
-from lowdiff.compressors.base import Compressor
+from lowdiff.compressors.base import Compressor, StepPayloads
 from lowdiff.fsdp import local as local_tensor
 from lowdiff.model_spec import ModelSpec
 from lowdiff.named_state import to_named
-from lowdiff.packing import PackedStep, StepPacker
+from lowdiff.packing import PackedStep, StepLayout, StepPacker, from_flats, layout_of
 from lowdiff.staging import HostCopier, HostPool, Slot, Staged
 from lowdiff.storage.format import encode_value
 from lowdiff.storage.segment import StepRecord
@@ -92,6 +92,10 @@ class Stager:
         self._snapshot_pool = HostPool()
         self._buffer_last: dict[str, torch.Tensor] = {}
         self._packer = StepPacker()
+        # The layout of steps whose payloads lie in the compressor's flats: (payload version, buffer keys, shapes
+        # and dtypes, the layout and its flats' dtypes or None where the payloads do not lie that way).
+        self._flat_plan: tuple[int, list[str], list[torch.Size], list[torch.dtype],
+                               tuple[StepLayout, list[torch.dtype]] | None] | None = None
         self._snapshot_packer = StepPacker()
         self._slots: Slots | None = None
         self._unfinished: StepCopies | None = None  # packed by copy_step, not yet a record (finish_step)
@@ -117,18 +121,21 @@ class Stager:
         """Host copies of the values the next record's changed buffers are found against."""
         return {n: t.cpu() for n, t in self._buffer_last.items()}
 
-    def copy_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots | None = None) -> StepCopies:
+    def copy_step(self, grads: dict[str, dict[str, torch.Tensor]], slots: Slots | None = None,
+                  payloads: StepPayloads | None = None) -> StepCopies:
         """Start the host copies of a step's payloads (by parameter name, then field) and changed buffers; with
-        ``slots``, packed into one of its buffers (one copy per dtype) unless layer-wise capture has copies."""
+        ``slots``, packed into one of its buffers (one copy per dtype) unless layer-wise capture has copies.
+        ``payloads``: where the compressor wrote the payloads, in buffers it writes again at the next step."""
         abandoned, self._unfinished = self._unfinished, None
         if abandoned is not None and abandoned.release is not None:
             abandoned.release()  # the step staged last never became a record (its inner step raised): its slot back
         buffers = self._changed_buffers() if self.leader else {}
         if slots is not None and self.layerwise is None:
-            packed = self._pack_step(grads, buffers, slots)
+            packed = self._pack_step(grads, buffers, slots, payloads)
             if packed is not None:
                 self._unfinished = packed
                 return packed
+        reused = {f.untyped_storage().data_ptr() for f in payloads.flats.values()} if payloads is not None else ()
         captured = self.layerwise.take() if self.layerwise is not None else {}
         names: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
@@ -145,7 +152,9 @@ class Stager:
                 tensors.append(t)
                 # A payload sharing memory with .grad (compressor none, PowerSGD's 1-D tensors) is live: the user
                 # may zero that gradient in place (zero_grad(set_to_none=False)) before the writer reads it.
-                live.append(grad is not None and t.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr())
+                # So is a payload in the compressor's reused buffers, which its next step writes again.
+                ptr = t.untyped_storage().data_ptr()
+                live.append(grad is not None and ptr == grad.untyped_storage().data_ptr() or ptr in reused)
         for n, t in buffers.items():
             names.append(("", n))
             tensors.append(t)
@@ -162,21 +171,43 @@ class Stager:
         return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
 
     def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
-                   slots: Slots) -> StepCopies | None:
-        keys = [(n, f) for n, p in grads.items() for f in p]
-        tensors = [t for p in grads.values() for t in p.values()]
-        if buffers:
-            keys += [("", n) for n in buffers]
-            tensors += buffers.values()
-        layout, _ = self._packer.plan(keys, tensors)
-        if layout is None:
-            return None
+                   slots: Slots, payloads: StepPayloads | None) -> StepCopies | None:
+        planned = self._from_flats(grads, buffers, payloads) if payloads is not None else None
+        if planned is None:
+            keys, tensors = _keyed(grads, buffers)
+            found, _ = self._packer.plan(keys, tensors)
+            if found is None:
+                return None
+            planned = found, tensors
+        layout, tensors = planned
         self._slots = slots
         slot = slots.alloc(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
         if slot is None:  # the persistence process is gone (its error reaches the caller at the next step)
             return None
         ready = self.copier.pack(layout, tensors, slot.buf)
         return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, slot.handle))
+
+    def _from_flats(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
+                    payloads: StepPayloads) -> tuple[StepLayout, list[torch.Tensor]] | None:
+        """The layout of a step whose payloads lie in the compressor's flats, and the tensors to pack by it: the
+        flats, then the changed buffers. Built once per payload version (and set of changed buffers); a step then
+        checks its buffers alone, not its hundreds of payload tensors (lowdiff.packing.from_flats)."""
+        bkeys, btensors = list(buffers), list(buffers.values())
+        shapes, dtypes = [t.shape for t in btensors], [t.dtype for t in btensors]
+        plan = self._flat_plan
+        if plan is None or plan[0] != payloads.version or plan[1:4] != (bkeys, shapes, dtypes):
+            planned = None
+            if list(grads) == payloads.names:
+                keys, tensors = _keyed(grads, buffers)
+                layout = layout_of(keys, tensors)
+                n_payload = len(keys) - len(bkeys)
+                if layout is not None:
+                    planned = from_flats(layout, n_payload, {dt: f.numel() for dt, f in payloads.flats.items()})
+            plan = self._flat_plan = (payloads.version, bkeys, shapes, dtypes, planned)
+        if plan[4] is None:
+            return None
+        layout, order = plan[4]
+        return layout, [payloads.flats[dt] for dt in order] + btensors
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
                     data: dict[str, Any] | None = None, *, skipped: bool = False) -> Staged[StepRecord]:
@@ -305,3 +336,14 @@ def encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def encode_groups(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [encode_group(g) for g in groups]
+
+
+def _keyed(grads: dict[str, dict[str, torch.Tensor]],
+           buffers: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
+    """A step's tensors to pack and their keys: (parameter, field) for payloads, then ("", name) for buffers."""
+    keys = [(n, f) for n, p in grads.items() for f in p]
+    tensors = [t for p in grads.values() for t in p.values()]
+    if buffers:
+        keys += [("", n) for n in buffers]
+        tensors += buffers.values()
+    return keys, tensors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,10 +29,28 @@ def check_residual(fqn: str, residual: torch.Tensor, grad: torch.Tensor) -> None
                          "compressor state saved for this model, on its parameters' devices")
 
 
+@dataclass(frozen=True)
+class StepPayloads:
+    """A step's payloads as a compressor wrote them between :meth:`Compressor.begin_step` and
+    :meth:`Compressor.end_step`: one after the other, in the order of ``names``, each field's tensors into one flat
+    tensor per dtype. Packing a step then copies ``flats`` instead of concatenating hundreds of tensors (Top-k's
+    values and indices) after checking each one's shape (lowdiff.stager)."""
+
+    version: int
+    """Changes whenever the sequence of payloads (parameters, sizes, dtypes) differs from the previous step's:
+    within one version every step's payloads lie at the same places in ``flats``."""
+    names: list[str]
+    flats: dict[torch.dtype, torch.Tensor]
+    """Per dtype, the 1-D tensor that holds this step's payload tensors of that dtype, one after the other
+    (numel: their total). Its memory is written again by the next step's payloads."""
+
+
 class Compressor(ABC):
     """Turns a gradient into a payload; keeps per-parameter memory (error-feedback residuals, warm starts).
 
-    ``compress`` returns fresh tensors the caller may keep: nothing in a payload is reused or mutated later.
+    ``compress`` returns fresh tensors the caller may keep: nothing in a payload is reused or mutated later,
+    except between :meth:`begin_step` and the next :meth:`begin_step`, whose payloads may lie in memory the
+    compressor writes again at the step after (:class:`StepPayloads`).
     """
 
     name: str
@@ -55,6 +74,16 @@ class Compressor(ABC):
 
         payload = self.compress(fqn, grad, comm)
         return payload, decode_payload(payload, grad.shape, trusted=True)
+
+    def begin_step(self) -> None:
+        """The ``compress`` calls of one optimizer step follow, single-process (no ``comm``): a compressor may
+        write their payloads into buffers it reuses at the next step (:meth:`end_step` says where)."""
+        return None
+
+    def end_step(self) -> StepPayloads | None:
+        """Where this step's payloads lie, if they were all written one after the other into reused buffers
+        (None: fresh tensors, as outside :meth:`begin_step`)."""
+        return None
 
     def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         """Expected payload bytes per step for a parameter (used to balance sharded log writes)."""

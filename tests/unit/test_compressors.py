@@ -293,3 +293,48 @@ def test_a_residual_that_does_not_match_its_gradient_is_an_error(name: str) -> N
     c.load_state_dict({"w": {k: (v.double() if k == "residual" else v) for k, v in state["w"].items()}})
     with pytest.raises(ValueError, match="residual of 'w'"):
         c.compress("w", _tensor(1, (10, 12)))
+
+
+def test_topk_payloads_in_reused_step_buffers_are_the_fresh_payloads_bit_for_bit() -> None:
+    """Between ``begin_step`` and ``end_step`` Top-k writes its payloads one after the other into buffers it reuses
+    at the next step (``StepPayloads``). Every payload equals, bit for bit, the one a twin compressor returns as
+    fresh tensors, through steps where a parameter has no gradient, a bfloat16 parameter, and steps that need more
+    room than the buffers have (then ``end_step`` is None and the buffers are replaced). Where ``end_step`` gives
+    flats, they hold the step's payloads one after the other, and its version changes exactly when the sequence of
+    payloads does."""
+    shapes = {"a": (300,), "b": (40, 50), "c": (7,), "h": (64,), "d": (900,)}
+    dtypes = {"h": torch.bfloat16}
+    reused, fresh = make_compressor("topk", ratio=0.1), make_compressor("topk", ratio=0.1)
+    full = ["a", "b", "c", "h"]
+    plan = [full, full, ["a", "c", "h"], ["a", "c", "h"], full, full, ["b"], full + ["d"], full + ["d"]]
+    versions: list[int | None] = []
+    for step, names in enumerate(plan):
+        grads = {n: _tensor(step * 10 + i, shapes[n], dtypes.get(n, torch.float32)) for i, n in enumerate(names)}
+        reused.begin_step()
+        got = {n: reused.compress(n, g) for n, g in grads.items()}
+        flats = reused.end_step()
+        want = {n: fresh.compress(n, g) for n, g in grads.items()}
+        for n in names:
+            for f in ("values", "indices"):
+                assert got[n][f].dtype == want[n][f].dtype and torch.equal(got[n][f], want[n][f]), (step, n, f)
+        if flats is None:
+            versions.append(None)
+            continue
+        assert flats.names == names
+        for dt, flat in flats.flats.items():
+            parts = [p[f] for p in got.values() for f in ("values", "indices") if p[f].dtype == dt]
+            assert torch.equal(flat, torch.cat(parts))
+            assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in parts)
+        versions.append(flats.version)
+    # Step 0 found no buffers and step 7 buffers too small (a new parameter): fresh tensors past that point.
+    v = versions
+    assert v[0] is None and v[7] is None and None not in v[1:7] + v[8:]
+    assert v[1] != v[2] == v[3] != v[4] == v[5] != v[6] != v[8] and len(set(v[1:7] + v[8:])) == 5
+    # Outside begin_step/end_step: fresh tensors, never written again.
+    g = _tensor(99, shapes["a"])
+    out = reused.compress("a", g)
+    before = out["values"].clone()
+    reused.begin_step()
+    reused.compress("a", _tensor(100, shapes["a"]))
+    reused.end_step()
+    assert torch.equal(out["values"], before)
