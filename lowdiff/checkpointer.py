@@ -222,6 +222,12 @@ class Checkpointer:
         if cut is not None:
             writer.set_batch_steps(cut)
 
+    def waited(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` for a snapshot's copy (lowdiff.stager): counted with the waits
+        for the writer (``opt.stats.blocked_s``, which the tuner reads as stalls)."""
+        if seconds > 0 and self._writer is not None:
+            self._writer.stats.blocked_s += seconds
+
     def report_backpressure(self, step: int, reported_s: float, every_s: float) -> float:
         """Warn when training has waited for the writer (the disk is slower than the log grows), at most once per
         ``every_s`` of added waiting; returns the waiting reported so far."""

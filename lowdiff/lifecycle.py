@@ -20,6 +20,7 @@ from lowdiff.checkpointer import Checkpointer
 from lowdiff.config import Config
 from lowdiff.errors import UnsupportedError
 from lowdiff.iteration import IterationEnd
+from lowdiff.staging import on_copy_thread
 
 if TYPE_CHECKING:
     from lowdiff.optimizer import LowDiffOptimizer
@@ -95,8 +96,9 @@ def release(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None, iter
     """What close() does: end (or drop) the iteration in progress, remove the capture hooks, flush the log and
     release the run directory."""
     args = (checkpointer, layerwise, iteration, interrupted)
-    if checkpointer.on_writer_thread():
-        # A garbage collection the writer thread happened to run: a flush there would wait for that very thread.
+    if checkpointer.on_writer_thread() or on_copy_thread():
+        # A garbage collection the writer thread (or a copy thread) happened to run: a flush there would wait for
+        # that very thread.
         threading.Thread(target=_close, args=args, name="lowdiff-close").start()
         return
     _close(*args)

@@ -110,7 +110,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                                          bucket_bytes=config.log.capture_bucket_bytes)
         self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
                               leader=self._leader, per_rank=self._coord.world_size > 1 and self._sharded is None,
-                              layerwise=layerwise)
+                              layerwise=layerwise, copy_thread=self._hook is None)
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
@@ -161,6 +161,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         """Refused, except for the state the optimizer already has (accelerate reloads it to place it on its
         device): a different state under the log would make replay wrong."""
         if same_state(self.inner.state_dict(), state_dict):
+            self._stager.settle_snapshot()
             self.inner.load_state_dict(state_dict)
             return
         raise UnsupportedError("load optimizer state before lowdiff.wrap(), or restore a lowdiff run with "
@@ -361,6 +362,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # the process's first finalize was made, possibly after ours) does nothing.
             if self._release.detach() is not None:
                 release(self._checkpointer, self._stager.layerwise, self._iteration, interrupted)
+            self._stager.copier.close()
         elif self._stager.layerwise is not None:
             self._stager.layerwise.remove()
 
@@ -389,6 +391,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._checkpointer is not None:
             self._checkpointer.check()
+            # The last snapshot's copy ran beside the forward and backward passes; the compressor and the inner
+            # step change what it reads. Time spent waiting for it here is reported as waiting for the writer.
+            self._checkpointer.waited(self._stager.settle_snapshot())
         t_apply = time.perf_counter()
         aggregated = self._hook.take() if self._hook is not None else None
         grads, payloads = self._payloads(aggregated)

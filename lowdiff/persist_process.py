@@ -331,7 +331,13 @@ class ProcessWriter:
         if state is None or (not block and state.ready is not None and not state.ready.query()):
             return
         self._snap_copying = None
-        snap = state.wait()
+        try:
+            snap = state.wait()
+        except Exception as e:  # a CPU snapshot's copy failed on the copy thread (lowdiff.staging.CopyInFlight)
+            log.error("lowdiff: the snapshot of step %d was not copied (%s); it is not written (recovery replays "
+                      "from the snapshot before it)", state.item.step, e)
+            state.release()
+            return
         packed = snap.packed
         assert packed is not None and packed.packed.handle is not None
         if packed.packed.handle[0] != self._snap_id:  # replaced meanwhile: only when the process is gone

@@ -66,7 +66,7 @@ def cuda_devices_in_use(extra: Iterable[int] = ()) -> list[int]:
     """CUDA devices whose generators matter: the current device and ``extra`` (the model's), and only if CUDA
     is already initialized; capture never initializes CUDA itself (that would create a context on every GPU
     of every rank)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not torch.cuda.is_initialized():  # implies is_available(), which costs more (it is asked every step)
         return []
     return sorted({torch.cuda.current_device(), *extra})
 

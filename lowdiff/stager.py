@@ -15,6 +15,7 @@ end of the iteration) is added to the record when the iteration ends (lowdiff.it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,7 +78,7 @@ class Stager:
 
     def __init__(self, spec: ModelSpec, optimizer: torch.optim.Optimizer, compressor: Compressor, *,
                  copier: HostCopier, owned: set[str], leader: bool, per_rank: bool = False,
-                 layerwise: LayerwiseCapture | None = None) -> None:
+                 layerwise: LayerwiseCapture | None = None, copy_thread: bool = False) -> None:
         self.spec = spec
         self.optimizer = optimizer
         self.compressor = compressor
@@ -99,6 +100,11 @@ class Stager:
         self._snapshot_packer = StepPacker()
         self._slots: Slots | None = None
         self._unfinished: StepCopies | None = None  # packed by copy_step, not yet a record (finish_step)
+        self.copy_thread = copy_thread
+        """CPU snapshots are copied on the copier's thread (:meth:`settle_snapshot`); set when nothing but the
+        optimizer step changes parameters, optimizer state and compressor state between two steps (no DDP
+        communication hook compressing during backward)."""
+        self._copying: Any = None  # the CPU snapshot copy in flight on the copy thread
         # Each rank has its own generators: under DDP its RNG entries are keyed by rank (docs/reference/FORMAT.md §7).
         self._rng_rank = rng_state.current_rank()
         self._cuda_devices = sorted({p.device.index or 0 for p in spec.params.values() if p.is_cuda})
@@ -270,6 +276,11 @@ class Stager:
         """``state``'s live tensors packed into a writer slot (None: the writer is gone). One copy per region
         instead of a host copy per tensor and, in a persistence process, a second copy into its snapshot arena."""
         device = torch.device("cuda", self._cuda_devices[0]) if self._cuda_devices else torch.device("cpu")
+        later = self.copy_thread and device.type == "cpu"
+        if later:
+            # The next forward pass changes buffers (BatchNorm's running statistics) before anything could wait for
+            # the copy: they are copied now. The rest changes only inside opt.step(), which waits first.
+            state.buffers = {n: t.clone() for n, t in state.buffers.items()}
         tensors: list[torch.Tensor] = []
         skel = _skeleton({k: getattr(state, k) for k in SNAPSHOT_SECTIONS}, tensors, device)
         layout, _ = self._snapshot_packer.plan([("", "")] * len(tensors), tensors)
@@ -281,7 +292,10 @@ class Stager:
             return None
         try:
             with torch.no_grad():
-                ready = self.copier.pack(layout, tensors, slot.buf)
+                if later and layout.device.type == "cpu":
+                    ready = self._copying = self.copier.pack_later(layout, tensors, slot.buf)
+                else:
+                    ready = self.copier.pack(layout, tensors, slot.buf)
         except BaseException:
             if slot.release is not None:
                 slot.release()  # a persistence process's arena would otherwise stay taken for good
@@ -291,6 +305,20 @@ class Stager:
             setattr(state, k, v)
         state.packed = PackedSnapshot(PackedStep(slot.buf, layout, slot.handle), skel)
         return Staged(state, ready, slot.release)
+
+    def settle_snapshot(self) -> float:
+        """Wait for the snapshot copy still running on the copy thread, if any (call before anything changes
+        parameters, optimizer or compressor state); returns the seconds waited. A copy that failed is reported by
+        the writer, which does not write that snapshot."""
+        copying, self._copying = self._copying, None
+        if copying is None or copying.query():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            copying.synchronize()
+        except Exception:
+            pass
+        return time.perf_counter() - t0
 
     def rng(self) -> dict[str, torch.Tensor]:
         """This rank's RNG state now (the generators of the CUDA devices the model is on included)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # The device-side concatenation of one call may use at most this fraction of the device's free memory.
 SPARE_FRACTION = 0.5
+COPY_THREAD = "lowdiff-copy"
+"""The name (prefix) of the copiers' threads."""
 # Released host buffers kept for reuse, per (dtype, size).
 POOL_MAX_FREE = 64
 
@@ -88,6 +91,20 @@ class HostPool:
                 free.append(buf)
 
 
+class CopyInFlight:
+    """Host copies running on :class:`HostCopier`'s copy thread, waited for like the CUDA event of a GPU copy:
+    ``query()`` (done?) and ``synchronize()`` (wait; raises what the copy raised)."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+
 class HostCopier:
     """Copies tensors of one device to host memory. ``stage`` returns host tensors and a ready event."""
 
@@ -95,6 +112,7 @@ class HostCopier:
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         self.device: torch.device | None = None
         self.stream: Any = None
+        self._thread: ThreadPoolExecutor | None = None
         if len(devices) == 1:
             self.device = next(iter(devices))
             self.stream = torch.cuda.Stream(device=self.device)
@@ -105,6 +123,20 @@ class HostCopier:
     @property
     def asynchronous(self) -> bool:
         return self.stream is not None
+
+    def pack_later(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> CopyInFlight:
+        """:meth:`pack` of CPU tensors on a thread of its own (one, so copies complete in order): the training
+        thread goes on, and must not change ``tensors`` until the copy is done (``CopyInFlight``). For a
+        snapshot's parameters and optimizer state, which nothing changes before the next ``opt.step()``."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COPY_THREAD)
+        return CopyInFlight(self._thread.submit(_pack_no_grad, layout, tensors, buf))
+
+    def close(self) -> None:
+        """Let the copy thread end once its copies are done."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def stage(self, tensors: list[torch.Tensor], live: list[bool],
               pool: HostPool | None = None) -> tuple[list[torch.Tensor], Any, Callable[[], None] | None]:
@@ -264,3 +296,14 @@ def _host_copy(t: torch.Tensor, live: bool) -> torch.Tensor:
     if t.device.type != "cpu":
         return t.detach().to("cpu", copy=True)
     return t.detach().clone() if live else t.detach()
+
+
+def _pack_no_grad(layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
+    with torch.no_grad():  # per thread: parameters may require grad, and cat(out=) refuses to record it
+        pack_host(layout, tensors, buf)
+
+
+def on_copy_thread() -> bool:
+    """Whether the caller runs on a copier's thread (where a garbage collection may finalize an optimizer nobody
+    closed: its close, which waits for that thread's copy, must run elsewhere; lowdiff.lifecycle)."""
+    return threading.current_thread().name.startswith(COPY_THREAD)

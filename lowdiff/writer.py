@@ -215,7 +215,13 @@ class BackgroundWriter:
                 if len(self._batch) >= self.batch_steps:
                     self._write_batch()
             elif isinstance(item, Staged):
-                item.wait()
+                try:
+                    item.wait()
+                except Exception as e:  # the copy thread's copy failed: there is nothing whole to write
+                    log.error("lowdiff: the snapshot of step %d was not copied (%s); it is not written (recovery "
+                              "replays from the snapshot before it)", item.item.step, e)
+                    item.release()
+                    continue
                 self._write_snapshot(item)
             elif isinstance(item, _SetBatchSteps):
                 self._write_batch()

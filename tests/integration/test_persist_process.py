@@ -706,6 +706,7 @@ def pack(self, layout, tensors, buf):
 lowdiff.staging.HostCopier.pack = pack
 
 t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])
+t.opt._stager.copy_thread = False  # snapshots packed as on a GPU (HostCopier.pack), not on the CPU's copy thread
 for k in range(1, last + 1):
     t.step(k)
 print("waited", len(waited), flush=True)
@@ -737,3 +738,66 @@ def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: 
     rec = lowdiff.recover(run_dir, workers=1)
     assert rec.step == last
     assert_state_equal(*reference.refs[last], rec)
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path, persistence: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a snapshot's parameters, optimizer and compressor state are copied on a thread of their own
+    while the next forward and backward passes run; ``opt.step()`` waits for the copy before the compressor and
+    the inner step change what it reads, and the buffers the forward pass changes (BatchNorm's) are copied at
+    once. Here every copy is slowed to 0.3 s, so it is still running when those passes end: each snapshot still
+    equals the uninterrupted run's state at its step, bit for bit, and the wait is reported."""
+    import lowdiff.staging
+
+    real = lowdiff.staging.pack_host
+
+    def slow(*args: object) -> None:
+        if lowdiff.staging.on_copy_thread():
+            time.sleep(0.3)
+        real(*args)
+
+    monkeypatch.setattr(lowdiff.staging, "pack_host", slow)
+    s = Scenario(model="mlp_bn", compressor="topk", batch_steps=2, every_steps=3, scheduler=True,
+                 persistence=persistence)
+    t = train_run(s, tmp_path / "run", 10, close=False)
+    assert t.opt.stats.blocked_s > 0.1  # waited for the copies at the next steps, not while taking them
+    t.opt.close()
+    assert sorted(list_snapshots(tmp_path / "run")) == [0, 3, 6, 9]
+    for k in (3, 6, 9, 10):
+        assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
+
+
+def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with ``opt.step(closure)`` (Lightning's way): the forward and backward passes run inside
+    ``opt.step()``, after the previous iteration ended and before the wait."""
+    import lowdiff.staging
+
+    real = lowdiff.staging.pack_host
+
+    def slow(*args: object) -> None:
+        if lowdiff.staging.on_copy_thread():
+            time.sleep(0.3)
+        real(*args)
+
+    monkeypatch.setattr(lowdiff.staging, "pack_host", slow)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk", "ratio": 0.5},
+                                      "snapshot": {"every_steps": 2}, "log": {"batch_steps": 2}})
+    refs = {}
+    for k in range(1, 7):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(k))
+
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        refs[k] = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()))
+    opt.close()
+    for k in (2, 4, 6):
+        assert_state_equal(*refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
