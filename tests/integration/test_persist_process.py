@@ -740,14 +740,9 @@ def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: 
     assert_state_equal(*reference.refs[last], rec)
 
 
-@pytest.mark.parametrize("persistence", ["thread", "process"])
-def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path, persistence: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU a snapshot's parameters, optimizer and compressor state are copied on a thread of their own
-    while the next forward and backward passes run; ``opt.step()`` waits for the copy before the compressor and
-    the inner step change what it reads, and the buffers the forward pass changes (BatchNorm's) are copied at
-    once. Here every copy is slowed to 0.3 s, so it is still running when those passes end: each snapshot still
-    equals the uninterrupted run's state at its step, bit for bit, and the wait is reported."""
+@pytest.fixture
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy on a copier's thread (a CPU snapshot's) takes 0.3 s longer."""
     import lowdiff.staging
 
     real = lowdiff.staging.pack_host
@@ -758,6 +753,16 @@ def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path,
         real(*args)
 
     monkeypatch.setattr(lowdiff.staging, "pack_host", slow)
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path, persistence: str,
+                                                                 slow_copies: None) -> None:
+    """On the CPU a snapshot's parameters, optimizer and compressor state are copied on a thread of their own
+    while the next forward and backward passes run; ``opt.step()`` waits for the copy before the compressor and
+    the inner step change what it reads, and the buffers the forward pass changes (BatchNorm's) are copied at
+    once. Here every copy is slowed to 0.3 s, so it is still running when those passes end: each snapshot still
+    equals the uninterrupted run's state at its step, bit for bit, and the wait is reported."""
     s = Scenario(model="mlp_bn", compressor="topk", batch_steps=2, every_steps=3, scheduler=True,
                  persistence=persistence)
     t = train_run(s, tmp_path / "run", 10, close=False)
@@ -768,19 +773,9 @@ def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path,
         assert_state_equal(*t.refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
 
 
-def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, slow_copies: None) -> None:
     """The same with ``opt.step(closure)`` (Lightning's way): the forward and backward passes run inside
     ``opt.step()``, after the previous iteration ended and before the wait."""
-    import lowdiff.staging
-
-    real = lowdiff.staging.pack_host
-
-    def slow(*args: object) -> None:
-        if lowdiff.staging.on_copy_thread():
-            time.sleep(0.3)
-        real(*args)
-
-    monkeypatch.setattr(lowdiff.staging, "pack_host", slow)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     inner = torch.optim.AdamW(model.parameters(), lr=0.05)
