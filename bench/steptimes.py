@@ -140,9 +140,10 @@ def main() -> None:
         ratio = r["snapshot_steps_over_others"]
         lines.append(f"| {m} | {r['median_ms']:.1f} ms | {r['p95_ms']:.1f} ms | {r['max_ms']:.1f} ms | "
                      f"{r['max_over_median']:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} | {r['snapshots']} |")
-    lines += ["", "Modes: `off` = `enabled: false`; `none` = compressor none, snapshots captured on the training "
-              "thread (copy) and persisted in the background; `none-shadow` = `snapshot.shadow: true` (the writer's "
-              "CPU replica provides them); `topk` = Top-k 1 %."]
+    lines += ["", "Modes: `off` = `enabled: false`; `none` = compressor none, snapshots copied off the live state "
+              "(on a GPU by a side stream; on the CPU, since git 5045b57, by a thread beside the next forward and "
+              "backward passes) and persisted in the background; `none-shadow` = `snapshot.shadow: true` (the "
+              "writer's CPU replica provides them); `topk` = Top-k 1 %."]
     lines += ["", f"![per-step times]({ppath.name})"]
     mpath.write_text("\n".join(lines) + "\n")
     _plot(results, ppath, every)
