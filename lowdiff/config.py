@@ -99,11 +99,18 @@ class SnapshotConfig:
     shadow: bool = False
     """Write snapshots from a CPU replica the background writer keeps in step with the log, so the training
     thread never copies its state for them. CPU training and compressor none only (see lowdiff/shadow.py)."""
+    background_copy: bool = False
+    """CPU training: copy a snapshot's parameters, optimizer and compressor state on a thread of its own while the
+    next forward and backward passes run (``opt.step()`` waits for the copy before it changes them). Only if nothing
+    writes parameters or optimizer state in place between two ``opt.step()`` calls: an EMA weight swap for an
+    evaluation (Lightning's ``EMAWeightAveraging``, ``torch_ema``'s ``copy_to``) or weights loaded into the model
+    would end up in the snapshot, and lowdiff cannot see such writes. Not under DDP with compression."""
 
     def __post_init__(self) -> None:
         _check_min_int_or_auto("snapshot.every_steps", self.every_steps, 1)
         _check_min_int("snapshot.keep", self.keep, 0)
         _check_type("snapshot.shadow", self.shadow, bool, "true or false")
+        _check_type("snapshot.background_copy", self.background_copy, bool, "true or false")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -110,7 +110,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                                          bucket_bytes=config.log.capture_bucket_bytes)
         self._stager = Stager(self._spec, optimizer, self.compressor, copier=copier, owned=self._owned,
                               leader=self._leader, per_rank=self._coord.world_size > 1 and self._sharded is None,
-                              layerwise=layerwise, copy_thread=self._hook is None)
+                              layerwise=layerwise,
+                              copy_thread=config.snapshot.background_copy and self._hook is None)
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
@@ -358,6 +359,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.closed = True
         OPEN.discard(self)
         if self._checkpointer is not None:
+            self._stager.settle_snapshot()  # a copy still running must not outlive the buffers close gives back
             # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
             # the process's first finalize was made, possibly after ours) does nothing.
             if self._release.detach() is not None:

@@ -330,14 +330,15 @@ class ProcessWriter:
         state = self._snap_copying
         if state is None or (not block and state.ready is not None and not state.ready.query()):
             return
-        self._snap_copying = None
         try:
-            snap = state.wait()
+            snap = state.wait()  # an interrupt here leaves it pending: sent (or released) at the next settle
         except Exception as e:  # a CPU snapshot's copy failed on the copy thread (lowdiff.staging.CopyInFlight)
+            self._snap_copying = None
             log.error("lowdiff: the snapshot of step %d was not copied (%s); it is not written (recovery replays "
                       "from the snapshot before it)", state.item.step, e)
             state.release()
             return
+        self._snap_copying = None
         packed = snap.packed
         assert packed is not None and packed.packed.handle is not None
         if packed.packed.handle[0] != self._snap_id:  # replaced meanwhile: only when the process is gone
@@ -381,6 +382,13 @@ class ProcessWriter:
         finally:
             self._closed = True
             self._conn.close()
+            pending, self._snap_copying = self._snap_copying, None
+            if pending is not None:  # never sent (the process died): its copies must end before the unmapping
+                try:
+                    pending.wait()
+                except Exception:
+                    pass
+                pending.release()
             try:
                 self._proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

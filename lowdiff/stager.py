@@ -16,7 +16,7 @@ end of the iteration) is added to the record when the iteration ends (lowdiff.it
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ from lowdiff.fsdp import local as local_tensor
 from lowdiff.model_spec import ModelSpec
 from lowdiff.named_state import to_named
 from lowdiff.packing import PackedStep, StepLayout, StepPacker, from_flats, layout_of
-from lowdiff.staging import HostCopier, HostPool, Slot, Staged
+from lowdiff.staging import CopyInFlight, HostCopier, HostPool, Slot, Staged
 from lowdiff.storage.format import encode_value
 from lowdiff.storage.segment import StepRecord
 from lowdiff.storage.snapshot import SnapshotState
@@ -304,20 +304,25 @@ class Stager:
         for k, v in ring.unpack(skel, layout.regions, layout.places, slot.buf).items():
             setattr(state, k, v)
         state.packed = PackedSnapshot(PackedStep(slot.buf, layout, slot.handle), skel)
-        return Staged(state, ready, slot.release)
+        release = slot.release
+        if isinstance(ready, CopyInFlight) and release is not None:
+            release = _after(ready, release)  # the slot goes back only once the copy thread is done with it
+        return Staged(state, ready, release)
 
     def settle_snapshot(self) -> float:
         """Wait for the snapshot copy still running on the copy thread, if any (call before anything changes
         parameters, optimizer or compressor state); returns the seconds waited. A copy that failed is reported by
         the writer, which does not write that snapshot."""
-        copying, self._copying = self._copying, None
+        copying = self._copying
         if copying is None or copying.query():
+            self._copying = None
             return 0.0
         t0 = time.perf_counter()
         try:
-            copying.synchronize()
+            copying.synchronize()  # an interrupt here leaves it to wait for at the next call
         except Exception:
             pass
+        self._copying = None
         return time.perf_counter() - t0
 
     def rng(self) -> dict[str, torch.Tensor]:
@@ -375,3 +380,16 @@ def _keyed(grads: dict[str, dict[str, torch.Tensor]],
         keys += [("", n) for n in buffers]
         tensors += buffers.values()
     return keys, tensors
+
+
+def _after(copying: CopyInFlight, release: Callable[[], None]) -> Callable[[], None]:
+    """``release``, once ``copying`` is over (whether or not it failed)."""
+
+    def wait_then_release() -> None:
+        try:
+            copying.synchronize()
+        except Exception:
+            pass
+        release()
+
+    return wait_then_release

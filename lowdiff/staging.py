@@ -128,9 +128,15 @@ class HostCopier:
         """:meth:`pack` of CPU tensors on a thread of its own (one, so copies complete in order): the training
         thread goes on, and must not change ``tensors`` until the copy is done (``CopyInFlight``). For a
         snapshot's parameters and optimizer state, which nothing changes before the next ``opt.step()``."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COPY_THREAD)
-        return CopyInFlight(self._thread.submit(_pack_no_grad, layout, tensors, buf))
+        try:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COPY_THREAD)
+            return CopyInFlight(self._thread.submit(_pack_no_grad, layout, tensors, buf))
+        except RuntimeError:  # the interpreter is shutting down (training in a thread the main thread outlived)
+            done: Future[None] = Future()
+            _pack_no_grad(layout, tensors, buf)
+            done.set_result(None)
+            return CopyInFlight(done)
 
     def close(self) -> None:
         """Let the copy thread end once its copies are done."""

@@ -197,12 +197,14 @@ class Scenario:
     shadow: bool = False
     when_behind: str = "wait"
     queue_depth: int = 4
+    background_copy: bool = False
 
     def config(self, run_dir: str | Path) -> dict[str, Any]:
         return {
             "run_dir": str(run_dir),
             "compressor": {"name": self.compressor, "ratio": self.ratio, "rank": self.rank},
-            "snapshot": {"every_steps": self.every_steps, "shadow": self.shadow},
+            "snapshot": {"every_steps": self.every_steps, "shadow": self.shadow,
+                         "background_copy": self.background_copy},
             "log": {"batch_steps": self.batch_steps, "codec": self.codec, "capture": self.capture,
                     "capture_bucket_bytes": self.capture_bucket_bytes, "persistence": self.persistence,
                     "when_behind": self.when_behind, "queue_depth": self.queue_depth},

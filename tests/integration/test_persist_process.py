@@ -706,7 +706,6 @@ def pack(self, layout, tensors, buf):
 lowdiff.staging.HostCopier.pack = pack
 
 t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])
-t.opt._stager.copy_thread = False  # snapshots packed as on a GPU (HostCopier.pack), not on the CPU's copy thread
 for k in range(1, last + 1):
     t.step(k)
 print("waited", len(waited), flush=True)
@@ -758,13 +757,13 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("persistence", ["thread", "process"])
 def test_a_snapshot_copied_beside_the_next_forward_pass_is_exact(tmp_path: Path, persistence: str,
                                                                  slow_copies: None) -> None:
-    """On the CPU a snapshot's parameters, optimizer and compressor state are copied on a thread of their own
-    while the next forward and backward passes run; ``opt.step()`` waits for the copy before the compressor and
-    the inner step change what it reads, and the buffers the forward pass changes (BatchNorm's) are copied at
-    once. Here every copy is slowed to 0.3 s, so it is still running when those passes end: each snapshot still
-    equals the uninterrupted run's state at its step, bit for bit, and the wait is reported."""
+    """With ``snapshot.background_copy`` a CPU snapshot's parameters, optimizer and compressor state are copied on a
+    thread of their own while the next forward and backward passes run; ``opt.step()`` waits for the copy before the
+    compressor and the inner step change what it reads, and the buffers the forward pass changes (BatchNorm's) are
+    copied at once. Here every copy is slowed to 0.3 s, so it is still running when those passes end: each snapshot
+    still equals the uninterrupted run's state at its step, bit for bit, and the wait is reported."""
     s = Scenario(model="mlp_bn", compressor="topk", batch_steps=2, every_steps=3, scheduler=True,
-                 persistence=persistence)
+                 persistence=persistence, background_copy=True)
     t = train_run(s, tmp_path / "run", 10, close=False)
     assert t.opt.stats.blocked_s > 0.1  # waited for the copies at the next steps, not while taking them
     t.opt.close()
@@ -780,7 +779,8 @@ def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, slo
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     inner = torch.optim.AdamW(model.parameters(), lr=0.05)
     opt = lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk", "ratio": 0.5},
-                                      "snapshot": {"every_steps": 2}, "log": {"batch_steps": 2}})
+                                      "snapshot": {"every_steps": 2, "background_copy": True},
+                                      "log": {"batch_steps": 2}})
     refs = {}
     for k in range(1, 7):
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(k))
@@ -796,3 +796,64 @@ def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, slo
     opt.close()
     for k in (2, 4, 6):
         assert_state_equal(*refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
+
+
+_COPY_INTERRUPTED = """
+import copy, os, signal, sys, threading, time
+import torch, lowdiff, lowdiff.staging
+real = lowdiff.staging.pack_host
+def slow(*a):
+    if lowdiff.staging.on_copy_thread():
+        time.sleep(3.0 if how == "close" else 1.0)  # the copy outlasts the close
+    real(*a)
+lowdiff.staging.pack_host = slow
+run_dir, persistence, how = sys.argv[1:4]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+opt = lowdiff.wrap(inner, model, {"run_dir": run_dir, "compressor": {"name": "topk", "ratio": 0.5},
+                                  "snapshot": {"every_steps": 2, "background_copy": True},
+                                  "log": {"batch_steps": 2, "persistence": persistence}})
+sched = opt.track(torch.optim.lr_scheduler.StepLR(opt, 1), "sched")
+def batch(k):
+    opt.zero_grad()
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k))).sum().backward()
+for k in (1, 2):
+    batch(k); opt.step(); sched.step()
+torch.save(copy.deepcopy(model.state_dict()), run_dir + "-step2.pt")  # its snapshot is still being copied
+if how == "close":  # an exception in the next forward pass: the loop's `with opt:` closes it as interrupted
+    opt.close(interrupted=True)
+    print("closed", flush=True)
+    sys.exit(0)
+batch(3)
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    opt.step()  # Ctrl-C while it waits for the copy; the loop carries on and runs the step again
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+opt.step(); sched.step()
+for k in (4, 5):
+    batch(k); opt.step(); sched.step()
+opt.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+@pytest.mark.parametrize("how", ["close", "interrupt"])
+def test_a_snapshot_copy_in_flight_survives_an_interrupted_close_or_wait(tmp_path: Path, persistence: str,
+                                                                         how: str) -> None:
+    """``snapshot.background_copy`` with a copy still running when the loop is interrupted. ``close``: closing
+    as interrupted gave the snapshot's arena back and unmapped it while the copy thread still wrote into it (the
+    trainer died of SIGSEGV). ``interrupt``: a Ctrl-C while ``opt.step()`` waited for the copy made the retried
+    step forget to wait, and it changed the state the copy was reading (the snapshot of step 2 was wrong)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", _COPY_INTERRUPTED, str(run_dir), persistence, how],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-3000:]
+    if how == "close":  # the interrupted iteration (and its snapshot) is not logged; a resume redoes it
+        assert lowdiff.recover(run_dir, workers=1).step == 1
+        return
+    rec = lowdiff.recover(run_dir, step=2, workers=1)
+    want = torch.load(str(run_dir) + "-step2.pt")
+    assert all(torch.equal(v, rec.model[k]) for k, v in want.items())
