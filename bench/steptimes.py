@@ -141,8 +141,9 @@ def main() -> None:
         lines.append(f"| {m} | {r['median_ms']:.1f} ms | {r['p95_ms']:.1f} ms | {r['max_ms']:.1f} ms | "
                      f"{r['max_over_median']:.2f} | {'-' if ratio is None else f'{ratio:.2f}'} | {r['snapshots']} |")
     lines += ["", "Modes: `off` = `enabled: false`; `none` = compressor none, snapshots copied off the live state "
-              "(on a GPU by a side stream; on the CPU, since git 5045b57, by a thread beside the next forward and "
-              "backward passes) and persisted in the background; `none-shadow` = `snapshot.shadow: true` (the "
+              "(on a GPU by a side stream; on the CPU on the training thread, or beside the next forward and backward "
+              "passes with snapshot.background_copy, the default from git 5045b57 to afd9c76) and persisted in the "
+              "background; `none-shadow` = `snapshot.shadow: true` (the "
               "writer's CPU replica provides them); `topk` = Top-k 1 %."]
     lines += ["", f"![per-step times]({ppath.name})"]
     mpath.write_text("\n".join(lines) + "\n")
