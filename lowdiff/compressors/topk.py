@@ -95,16 +95,19 @@ class StepBuffers:
         self._used: dict[torch.dtype, int] = {}
         self._seq: list[tuple[str, int, torch.dtype, torch.device]] = []
         self._last: list[tuple[str, int, torch.dtype, torch.device]] = []
+        self._names: list[str] = []
+        self._devices: set[torch.device] = set()
         self._whole = True
         self._version = 0
         self.active = False
 
     def begin(self) -> None:
-        self._used, self._seq, self._whole, self.active = {}, [], True, True
+        self._used, self._seq, self._devices, self._whole, self.active = {}, [], set(), True, True
 
     def take(self, fqn: str, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the values (``dtype``) and int32 indices of ``fqn``'s ``k`` entries go."""
         self._seq.append((fqn, k, dtype, device))
+        self._devices.add(device)
         return self._slice(dtype, k, device), self._slice(torch.int32, k, device)
 
     def _slice(self, dtype: torch.dtype, k: int, device: torch.device) -> torch.Tensor:
@@ -118,13 +121,12 @@ class StepBuffers:
 
     def end(self) -> StepPayloads | None:
         self.active = False
-        seq = self._seq
+        seq, devices = self._seq, self._devices
         if seq != self._last:
             self._version += 1
-            self._last = seq
+            self._last, self._names = seq, [fqn for fqn, *_ in seq]
         if not seq:
             return None
-        devices = {d for *_, d in seq}
         if not self._whole or len(devices) != 1:
             if len(devices) == 1:
                 device = next(iter(devices))
@@ -132,8 +134,7 @@ class StepBuffers:
             else:
                 self._bufs = {}
             return None
-        return StepPayloads(self._version, [fqn for fqn, *_ in seq],
-                            {dt: self._bufs[dt][:n] for dt, n in self._used.items()})
+        return StepPayloads(self._version, self._names, {dt: self._bufs[dt][:n] for dt, n in self._used.items()})
 
 
 class TopKCompressor(Compressor):
