@@ -138,6 +138,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
             size = os.fstat(fd).st_size
             atomic.pwrite_all(fd, [_trailer(fd, size, data_offset, offset)], size)
             os.fsync(fd)  # on the fd already open: commit() need not reopen the file to sync it
+            atomic.drop_cached(fd)
         finally:
             os.close(fd)
         atomic.commit(tmp, path, synced=True)

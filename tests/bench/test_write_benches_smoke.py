@@ -1,4 +1,5 @@
-"""bench/gil.py and bench/writebw.py --smoke run end to end and write their JSON (never into bench/results/)."""
+"""bench/gil.py, bench/writebw.py and bench/pagecache.py --smoke run end to end and write their JSON (never into
+bench/results/)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def test_writebw_smoke(tmp_path: Path) -> None:
     _run("writebw.py", "--out", str(tmp_path / "writebw.json"), "--work", str(tmp_path))
     assert json.loads((tmp_path / "writebw.json").read_text())
     assert [p.name for p in tmp_path.iterdir()] == ["writebw.json"]  # scratch files removed
+
+
+def test_pagecache_smoke(tmp_path: Path) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        return  # the bench says so and exits: lowdiff drops nothing on such a platform
+    work = tmp_path / "work"
+    work.mkdir()
+    _run("pagecache.py", "--out-dir", str(tmp_path), "--dir", str(work))
+    res = json.loads((tmp_path / "pagecache.json").read_text())
+    assert [r["mode"] for r in res["rows"]] == ["kept", "dropped"] and all(r["writes"] == 2 for r in res["rows"])
+    assert list(work.iterdir()) == []  # its files removed

@@ -53,6 +53,41 @@ def test_round_trip(tmp_path: Path, codec: str) -> None:
             assert r.entries[name]["dtype"] == DTYPES[name] and r.entries[name]["codec"] == codec
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+def test_a_written_file_has_its_pages_dropped_only_once_it_is_synced(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints are read only at recovery: their pages are given back (fresh page-cache pages cost 2-3 ms of
+    system CPU per MB on the shared VM, docs/measurements/pagecache.md), and only after the fsync, when they are
+    clean (advice on dirty pages drops nothing)."""
+    calls: list[tuple[str, int]] = []
+    fsync, advise = os.fsync, os.posix_fadvise
+
+    def spy_fsync(fd: int) -> None:
+        calls.append(("fsync", fd))
+        fsync(fd)
+
+    def spy_advise(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append(("advise", fd))
+        assert (offset, length, advice) == (0, 0, os.POSIX_FADV_DONTNEED)
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "posix_fadvise", spy_advise)
+    path = tmp_path / "c.h5"
+    _write(path, _entries(), "none")
+    advised = [fd for kind, fd in calls if kind == "advise"]
+    assert len(advised) == 1
+    assert ("fsync", advised[0]) in calls[:calls.index(("advise", advised[0]))]  # the file's fsync came first
+    with ContainerReader(path, "snapshot") as r:
+        assert bytes(r.read("param/b", 1400)) == b"MARKER-" * 200
+    r_fd, w_fd = os.pipe()  # advice the descriptor cannot take (ESPIPE) is ignored: it is advice only
+    try:
+        atomic.drop_cached(r_fd)
+    finally:
+        os.close(r_fd)
+        os.close(w_fd)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 @given(blobs=st.lists(st.binary(max_size=300), min_size=0, max_size=5))
 def test_round_trip_any_entries(tmp_path_factory: pytest.TempPathFactory, codec: str, blobs: list[bytes]) -> None:
