@@ -21,6 +21,7 @@ import pickle
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -48,16 +49,48 @@ RING_MAX_BYTES = 1 << 30
 RING_MIN_BYTES = 4 << 20
 
 
+_FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a message under 2 GiB (recv_bytes reads it)
+
+
 def _send_bytes(conn: Connection, msg: Any) -> None:
+    """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body.
+
+    A signal handler that raises in the middle (lowdiff's SIGTERM handler after its deferrals, KeyboardInterrupt)
+    must not leave half a message on the socket, nor a message taken off a queue and never sent (a kill test lost
+    the step whose seal it was). Holding SIGTERM and SIGINT back around every send cost two system calls a step;
+    instead a handler's exception, which Python raises before the write, between two partial writes or while
+    one waits (then nothing of it was written), is raised only once the rest of the message went, with the
+    signals held back: as if the signal had come just after the message."""
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    _whole(conn.send_bytes, data)
+    if len(data) >= 1 << 31:
+        _whole(conn.send_bytes, data)
+        return
+    frame = memoryview(_FRAME.pack(len(data)) + data)
+    fd, sent = conn.fileno(), 0
+    try:
+        while sent < len(frame):
+            sent += os.write(fd, frame[sent:])
+    except OSError:
+        raise
+    except BaseException:
+        _whole(_write_all, fd, frame[sent:])
+        raise
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    while len(buf):
+        buf = buf[os.write(fd, buf):]
 
 
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}
 
 
 def _rng_bytes(rng: dict[str, Any]) -> dict[str, bytes]:
-    """A record's or snapshot's RNG states as the message carries them (the child turns them back into tensors)."""
+    """A record's or snapshot's RNG states as the message carries them (the child turns them back into tensors):
+    the bytes they were captured as, when the states are still those of a capture."""
+    raw = getattr(rng, "raw", None)
+    if raw is not None and raw.keys() == rng.keys():
+        return raw
     return {k: v.numpy().tobytes() for k, v in rng.items()}
 
 

@@ -75,13 +75,9 @@ def _bytes_tensor(buf: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
 
 
-def _numpy_state() -> torch.Tensor:
+def _numpy_bytes() -> bytes:
     raw = _NUMPY_READER.read()
-    return _bytes_tensor(raw) if raw is not None else _numpy_state_slow()
-
-
-def _numpy_state_slow() -> torch.Tensor:
-    return _bytes_tensor(_legacy_bytes(np.random.get_state(legacy=True)))
+    return raw if raw is not None else _legacy_bytes(np.random.get_state(legacy=True))
 
 
 def _legacy_bytes(state: object) -> bytes:
@@ -92,19 +88,19 @@ def _legacy_bytes(state: object) -> bytes:
     return key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached))
 
 
-class _NumpyReader:
-    """Reads numpy's global ``RandomState`` straight from its memory, in :func:`_numpy_state_slow`'s byte layout.
+_GAUSS = struct.Struct("<i4xd")  # numpy's aug_bitgen_t after its bitgen pointer: int has_gauss, double gauss
 
-    ``get_state()`` copies the 624 key words one at a time in Python-level code: 53 us warm, ~170 us on a fast
-    training step (the largest part of lowdiff's fixed cost per step). The same bytes lie in the bit generator's
-    C struct (``ctypes.state_address``: 624 x uint32 key, int pos) and in the ``RandomState`` object itself (the
-    legacy gaussian cache: ``aug_bitgen_t {bitgen_t *; int has_gauss; double gauss}``, at an offset found once
-    by looking for the pointer to the object's own bitgen). That offset is trusted only after reads of a private
-    ``RandomState`` matched ``get_state()`` through states with and without a cached gaussian, and every
-    CHECK_EVERY reads of the global one are compared with ``get_state()`` again; any doubt (another numpy, a
-    big-endian machine, a replaced generator, a mismatch) falls back to ``get_state()`` for good."""
+
+class _DirectReader:
+    """Reads a generator's state straight from its memory instead of through ``get_state()`` / ``getstate()``,
+    which build a Python object per state word (624 of them): 30-70 us per step on a fast training step, where
+    the direct read is one or two memory copies. Subclasses say where the bytes lie; the layout is trusted only
+    after reads of a private generator matched the documented call through varied states, and every CHECK_EVERY
+    reads of the global one are compared with it again; any doubt (another interpreter or numpy, a big-endian
+    machine, a replaced generator, a mismatch) falls back to the documented call for good."""
 
     CHECK_EVERY = 512
+    what = ""
 
     def __init__(self) -> None:
         self._offset: int | None = None
@@ -112,90 +108,171 @@ class _NumpyReader:
         self._reads = 0
 
     def read(self) -> bytes | None:
-        """The global generator's state as NUMPY_NBYTES bytes, or None: use ``get_state()``."""
+        """The global generator's state in its FORMAT.md layout, or None: use the documented call."""
         if not self._tried:
             self._tried = True
-            self._offset = self._find_offset()
+            if sys.byteorder == "little" and ctypes.sizeof(ctypes.c_void_p) == 8 \
+                    and sys.implementation.name == "cpython":
+                try:
+                    self._offset = self._find_offset()
+                except Exception as e:  # any surprise in the internals: the documented way stays
+                    log.debug("lowdiff: reading %s directly is not possible here (%s)", self.what, e)
         offset = self._offset  # once: another thread may give the direct read up meanwhile
         if offset is None:
             return None
-        rs = getattr(np.random.get_state, "__self__", None)  # the generator np.random's functions draw from
-        if type(rs) is not np.random.RandomState or type(rs._bit_generator) is not np.random.MT19937:
+        gen = self._global()
+        if gen is None:
             return None
-        with rs._bit_generator.lock:  # the lock RandomState draws under
-            raw = self._read(rs, offset)
+        raw = self._read(gen, offset)
         self._reads += 1
-        if self._reads % self.CHECK_EVERY == 1 and not self._agrees(rs, offset):
-            log.error("lowdiff: reading numpy's generator state directly disagreed with get_state(); "
-                      "using get_state() from now on")
+        if self._reads % self.CHECK_EVERY == 1 and not self._agrees(gen, offset):
+            log.error("lowdiff: reading %s directly disagreed with its documented state; using that from now on",
+                      self.what)
             self._offset = None
             return None
         return raw
 
-    def _agrees(self, rs: np.random.RandomState, offset: int) -> bool:
-        """The direct read equals ``get_state()``. ``get_state()`` takes the generator's lock itself, so another
-        thread may draw between it and the read: a difference is looked at again before it counts."""
+    def _agrees(self, gen: object, offset: int) -> bool:
+        """The direct read equals the documented call. Another thread may draw between the two, so a difference
+        is looked at again before it counts."""
         for _ in range(3):
-            slow = _legacy_bytes(np.random.get_state(legacy=True))
-            with rs._bit_generator.lock:
-                if self._read(rs, offset) == slow:
-                    return True
+            if self._read(gen, offset) == self._documented(gen):
+                return True
         return False
 
-    @staticmethod
-    def _read(rs: np.random.RandomState, offset: int) -> bytes:
-        key_pos = ctypes.string_at(rs._bit_generator.ctypes.state_address, _MT_WORDS * 4 + 4)
+    def _global(self) -> object | None:
+        raise NotImplementedError
+
+    def _read(self, gen: object, offset: int) -> bytes:
+        raise NotImplementedError
+
+    def _documented(self, gen: object) -> bytes:
+        raise NotImplementedError
+
+    def _find_offset(self) -> int | None:
+        raise NotImplementedError
+
+
+class _NumpyReader(_DirectReader):
+    """numpy's global ``RandomState``: its key and pos lie in the bit generator's C struct
+    (``ctypes.state_address``: 624 x uint32 key, int pos), the legacy gaussian cache in the ``RandomState`` object
+    itself (``aug_bitgen_t {bitgen_t *; int has_gauss; double gauss}``, at an offset found once by looking for the
+    pointer to the object's own bitgen)."""
+
+    what = "numpy's generator state"
+
+    def _global(self) -> object | None:
+        rs = getattr(np.random.get_state, "__self__", None)  # the generator np.random's functions draw from
+        if type(rs) is not np.random.RandomState or type(rs._bit_generator) is not np.random.MT19937:
+            return None
+        return rs
+
+    def _read(self, gen: object, offset: int) -> bytes:
+        rs = cast(np.random.RandomState, gen)
+        with rs._bit_generator.lock:  # the lock RandomState draws under
+            key_pos = ctypes.string_at(rs._bit_generator.ctypes.state_address, _MT_WORDS * 4 + 4)
+            has_gauss, gauss = _GAUSS.unpack(ctypes.string_at(id(rs) + offset + 8, _GAUSS.size))
         pos = int.from_bytes(key_pos[-4:], sys.byteorder, signed=True)
-        base = id(rs) + offset
-        has_gauss = ctypes.c_int.from_address(base + 8).value
-        gauss = ctypes.c_double.from_address(base + 16).value
         return key_pos[:-4] + _NUMPY_TAIL.pack(pos, has_gauss, gauss)
 
-    @classmethod
-    def _find_offset(cls) -> int | None:
-        if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
+    def _documented(self, gen: object) -> bytes:
+        get_state = np.random.get_state  # the global generator's through np.random, as a user's code sees it
+        if getattr(get_state, "__self__", None) is not gen:
+            get_state = cast(np.random.RandomState, gen).get_state
+        return _legacy_bytes(get_state(legacy=True))
+
+    def _find_offset(self) -> int | None:
+        probe = np.random.RandomState(12345)
+        size = type(probe).__basicsize__
+        base = id(probe)
+        found = [o for o in range(0, size - 24, 8)
+                 if base < (ctypes.c_void_p.from_address(base + o).value or 0) < base + size]
+        if len(found) != 1:
             return None
-        try:
-            probe = np.random.RandomState(12345)
-            size = type(probe).__basicsize__
-            base = id(probe)
-            found = [o for o in range(0, size - 24, 8)
-                     if base < (ctypes.c_void_p.from_address(base + o).value or 0) < base + size]
-            if len(found) != 1:
+        for draws in (0, 1, 2, 3, 700):  # an odd number of normals leaves a cached gaussian
+            probe.standard_normal(draws)
+            if self._read(probe, found[0]) != self._documented(probe):
                 return None
-            offset = found[0]
-            for draws in (0, 1, 2, 3, 700):  # an odd number of normals leaves a cached gaussian
-                probe.standard_normal(draws)
-                if cls._read(probe, offset) != _legacy_bytes(probe.get_state(legacy=True)):
-                    return None
-            return offset
-        except Exception as e:  # any surprise in numpy's internals: the documented way stays
-            log.debug("lowdiff: reading numpy's generator state directly is not possible here (%s)", e)
+        return found[0]
+
+
+class _PythonReader(_DirectReader):
+    """The ``random`` module's generator: CPython's ``RandomObject {PyObject_HEAD; int index; uint32_t
+    state[624]}`` (the offset of ``index`` found once, right after the object header, and trusted only once
+    reads matched ``getstate()``), with ``gauss_next`` from the Python-level object."""
+
+    what = "Python's random state"
+
+    def _global(self) -> object | None:
+        inst = getattr(random.getstate, "__self__", None)  # the generator random's functions draw from
+        return inst if type(inst) is random.Random else None
+
+    def _read(self, gen: object, offset: int) -> bytes:
+        r = cast(random.Random, gen)
+        index_state = ctypes.string_at(id(r) + offset, 4 + _MT_WORDS * 4)  # holding the GIL: no draw interleaves
+        gauss_next = r.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in the stubs
+        return index_state[4:] + index_state[:4] + _PYTHON_TAIL.pack(gauss_next is not None,
+                                                                     0.0 if gauss_next is None else gauss_next)
+
+    def _documented(self, gen: object) -> bytes:
+        getstate = random.getstate if getattr(random.getstate, "__self__", None) is gen else \
+            cast(random.Random, gen).getstate
+        return _python_bytes(getstate())
+
+    def _find_offset(self) -> int | None:
+        probe = random.Random(12345)
+        offset = object.__basicsize__  # PyObject_HEAD; its size differs on free-threaded builds
+        if type(probe).__basicsize__ < offset + 4 + _MT_WORDS * 4:
             return None
+        for draws, gauss in ((0, False), (1, False), (623, True), (624, False), (1000, True)):
+            for _ in range(draws):
+                probe.random()
+            if gauss:
+                probe.gauss(0.0, 1.0)  # leaves gauss_next set
+            if self._read(probe, offset) != self._documented(probe):
+                return None
+        return offset
 
 
 _NUMPY_READER = _NumpyReader()
+_PYTHON_READER = _PythonReader()
 
 
-def _python_state() -> torch.Tensor:
-    version, words, gauss_next = random.getstate()
+def _python_bytes(state: tuple[int, tuple[int, ...], float | None]) -> bytes:
+    version, words, gauss_next = state
     if version != 3 or len(words) != _MT_WORDS + 1:
         raise UnsupportedError(f"python random state version {version} with {len(words)} words is not supported")
     tail = _PYTHON_TAIL.pack(gauss_next is not None, 0.0 if gauss_next is None else float(gauss_next))
-    return _bytes_tensor(_PYTHON_WORDS.pack(*words) + tail)
+    return _PYTHON_WORDS.pack(*words) + tail
 
 
-def capture(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> dict[str, torch.Tensor]:
+def _python_state_bytes() -> bytes:
+    raw = _PYTHON_READER.read()
+    return raw if raw is not None else _python_bytes(random.getstate())
+
+
+class Captured(dict[str, torch.Tensor]):
+    """What :func:`capture` returns: the states as tensors, and ``raw``, the same bytes (what a message to the
+    persistence process carries, without going back from the tensors)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: dict[str, bytes]) -> None:
+        super().__init__((k, _bytes_tensor(v)) for k, v in raw.items())
+        self.raw = raw
+
+
+def capture(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> Captured:
     """The state of every RNG source now, by entry name (prefixed with ``rank_prefix(rank)``).
 
-    Costs ~0.1 ms (numpy's ``get_state`` is most of it); the tensors are fresh CPU copies."""
+    Costs a few tens of microseconds; the tensors are fresh CPU copies."""
     p = rank_prefix(rank)
-    out = {p + TORCH: torch.get_rng_state()}
+    raw = {p + TORCH: torch.get_rng_state().numpy().tobytes()}
     for index in cuda_devices:
-        out[f"{p}{CUDA_PREFIX}{index}"] = torch.cuda.get_rng_state(index).cpu()
-    out[p + NUMPY] = _numpy_state()
-    out[p + PYTHON] = _python_state()
-    return out
+        raw[f"{p}{CUDA_PREFIX}{index}"] = torch.cuda.get_rng_state(index).cpu().numpy().tobytes()
+    raw[p + NUMPY] = _numpy_bytes()
+    raw[p + PYTHON] = _python_state_bytes()
+    return Captured(raw)
 
 
 def restore(state: Mapping[str, torch.Tensor], rank: int | None = None) -> list[str]:

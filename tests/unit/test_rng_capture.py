@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import types
 
 import numpy as np
@@ -83,3 +84,55 @@ def test_another_threads_draw_during_the_periodic_check_is_not_a_disagreement(mo
             captured_numpy_bytes()
     assert drew and "disagreed" not in caplog.text
     assert captured_numpy_bytes() == expected_numpy_bytes()
+
+
+PY_OPS = st.one_of(
+    st.tuples(st.just("seed"), st.integers(0, 2**64)),
+    st.tuples(st.just("random"), st.integers(0, 700)),  # past 624 words: the state is regenerated
+    st.tuples(st.just("gauss"), st.integers(0, 3)),  # leaves gauss_next set (or clears it)
+    st.tuples(st.just("bits"), st.integers(1, 20000)),
+)
+
+
+@pytest.fixture()
+def keep_python_state():
+    saved = random.getstate()
+    yield
+    random.setstate(saved)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(PY_OPS, min_size=1, max_size=12))
+def test_python_capture_matches_getstate_after_any_draws(keep_python_state: None,
+                                                         ops: list[tuple[str, int]]) -> None:
+    """lowdiff reads ``random``'s state from the generator's memory (lowdiff/rng.py): the bytes must be those of
+    ``random.getstate()`` in every state, and restoring them must repeat the draws."""
+    for op, arg in ops:
+        if op == "seed":
+            random.seed(arg)
+        elif op == "random":
+            for _ in range(arg):
+                random.random()
+        elif op == "gauss":
+            for _ in range(arg):
+                random.gauss(0.0, 1.0)
+        else:
+            random.getrandbits(arg)
+        state = lowdiff_rng.capture()
+        assert bytes(state[lowdiff_rng.PYTHON].numpy()) == _python_bytes(random.getstate())
+    first = [random.gauss(0.0, 1.0), random.random()]
+    lowdiff_rng.restore(state)
+    assert [random.gauss(0.0, 1.0), random.random()] == first
+
+
+def _python_bytes(state: tuple) -> bytes:
+    _, words, gauss_next = state
+    return b"".join(w.to_bytes(4, "little") for w in words) + int(gauss_next is not None).to_bytes(8, "little") \
+        + np.float64(0.0 if gauss_next is None else gauss_next).astype("<f8").tobytes()
+
+
+def test_capture_keeps_the_bytes_it_made_its_tensors_from() -> None:
+    state = lowdiff_rng.capture()
+    raw = state.raw
+    assert raw.keys() == state.keys()
+    assert all(bytes(state[k].numpy()) == v for k, v in raw.items())
