@@ -5,8 +5,10 @@ right after its ``opt.step()`` returned; at a random moment (a random step, then
 step) it gets SIGKILL or SIGTERM, alone (its persistence process is not signalled). Once the persistence process
 has exited, ``lowdiff.recover`` must return a state ``torch.equal`` to the uninterrupted run's at that step, and the
 step must be at least the last one reported (one more is allowed: killed between ``opt.step()`` and the report).
+``--ints``: SIGINT (a Ctrl-C to the trainer alone): its KeyboardInterrupt ends the trainer, raised outside lowdiff's
+code.
 
-    python bench/killtest.py --kills 50 --terms 20         # bench/results/killtest.json
+    python bench/killtest.py --kills 50 --terms 20 --ints 20   # bench/results/killtest.json
     python bench/killtest.py --persistence thread --kills 10   # the thread: steps are lost
 """
 
@@ -118,13 +120,14 @@ def main() -> None:
     ap.add_argument("--trainer", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--kills", type=int, default=50)
     ap.add_argument("--terms", type=int, default=20)
+    ap.add_argument("--ints", type=int, default=0, help="runs ended by SIGINT (Ctrl-C)")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--persistence", default="process", choices=("thread", "process"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "killtest.json")
     ap.add_argument("--smoke", action="store_true", help="2 kills and 1 SIGTERM: checks the script runs")
     args = ap.parse_args()
     if args.smoke:
-        args.kills, args.terms = 2, 1
+        args.kills, args.terms, args.ints = 2, 1, 1
     if args.trainer:
         trainer(*args.trainer)
         return
@@ -133,7 +136,8 @@ def main() -> None:
     refs = reference(work)
     rng = random.Random(args.seed)
     rows = []
-    for i, sig in enumerate([signal.SIGKILL] * args.kills + [signal.SIGTERM] * args.terms):
+    for i, sig in enumerate([signal.SIGKILL] * args.kills + [signal.SIGTERM] * args.terms
+                                 + [signal.SIGINT] * args.ints):
         r = one(work, i, sig, rng, args.persistence)
         rec = lowdiff.recover(work / f"run-{i}", step=r["recovered"], workers=1) if r["recovered"] else None
         exact = rec is not None and all(torch.equal(rec.model[n], t) for n, t in refs[r["recovered"]][0].items()) \
@@ -146,7 +150,7 @@ def main() -> None:
     summary = {sig: {"runs": len(rs), "exact": sum(r["exact"] for r in rs), "reached": sum(r["reached"] for r in rs),
                      "lost_steps_max": max(r["returned"] - r["recovered"] for r in rs),
                      "helper_exit_s_max": max(r["helper_exit_s"] for r in rs)}
-               for sig in ("SIGKILL", "SIGTERM") if (rs := [r for r in rows if r["signal"] == sig])}
+               for sig in ("SIGKILL", "SIGTERM", "SIGINT") if (rs := [r for r in rows if r["signal"] == sig])}
     out = {"persistence": args.persistence, "seed": args.seed, "steps": STEPS, "summary": summary, "rows": rows,
            "load": os.getloadavg(), "command": " ".join(sys.argv)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

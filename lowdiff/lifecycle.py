@@ -70,13 +70,54 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated(SIGTERM_EXIT)
 
 
+_int_deferred = 0
+_int_pending = False
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Python's KeyboardInterrupt, raised outside lowdiff's own code. A Ctrl-C taken in the middle of lowdiff's
+    bookkeeping (a record handed over but not marked so, a message to the persistence process half built) left
+    the persistence process expecting a step it never got: it failed, and the next step raised
+    CheckpointWriteError. Deferred, it is raised as ``opt.step()`` returns (:func:`raise_deferred_interrupt`), or
+    where the main thread is 5 ms later if it has left lowdiff's code by then (the signal comes back, interrupting a
+    wait); after 1 s of that, wherever the thread is."""
+    global _int_deferred, _int_pending
+    if _inside_lowdiff(frame) and _int_deferred < MAX_DEFERRALS:
+        _int_deferred += 1
+        _int_pending = True
+        threading.Timer(0.005, _resend_sigint).start()
+        return
+    _int_deferred, _int_pending = 0, False
+    raise KeyboardInterrupt
+
+
+def _resend_sigint() -> None:
+    if _int_pending:
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+
+def raise_deferred_interrupt() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C deferred while lowdiff's code ran (called as ``opt.step()``
+    returns: its step is applied and logged)."""
+    global _int_deferred, _int_pending
+    if _int_pending and threading.current_thread() is threading.main_thread():
+        _int_deferred, _int_pending = 0, False
+        raise KeyboardInterrupt
+
+
 def opened(opt: LowDiffOptimizer) -> None:
     """``opt`` holds a run directory until it is closed. The first one installs the SIGTERM handler, when the
     process has none of its own and this is the main thread: a scheduler's SIGTERM then flushes the log (what
-    the writer thread holds would otherwise die with the process) instead of ending the process on the spot."""
+    the writer thread holds would otherwise die with the process) instead of ending the process on the spot.
+    Python's own SIGINT handler (KeyboardInterrupt) is replaced by one that raises it outside lowdiff's code; a
+    handler of the program's own is left alone."""
     OPEN.add(opt)
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 @atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler

@@ -420,6 +420,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.stepped = True
         if ckpt is not None and copies is not None:
             self._hold(self._stager.finish_step(copies, step, groups, data), apply_s)
+        lifecycle.raise_deferred_interrupt()  # a Ctrl-C that came during this step: raised now that it is logged
         return loss if closure is not None else out
 
     def _payloads(self, aggregated: dict[str, Payload] | None

@@ -122,12 +122,14 @@ def _run_and_signal(run_dir: Path, kill_after: int, sig: int, wait: bool = True,
 
 
 @pytest.mark.parametrize("sig,kill_after,group", [(signal.SIGKILL, k, False) for k in KILL_AFTER]
-                         + [(signal.SIGTERM, 9, False), (signal.SIGTERM, 2, True), (signal.SIGKILL, 14, True)])
+                         + [(signal.SIGTERM, 9, False), (signal.SIGTERM, 2, True), (signal.SIGKILL, 14, True)]
+                         + [(signal.SIGINT, 6, False), (signal.SIGINT, 21, True)])
 def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: int, kill_after: int,
                                               group: bool) -> None:
     """``group``: the signal goes to the trainer's process group (torchrun's SIGTERM, then SIGKILL, to the other
-    ranks of a failed job): the persistence process, in a session of its own, gets neither. SIGTERM right after step
-    2 reaches it, if it were in the group, while it still imports torch, before it ignores SIGTERM."""
+    ranks of a failed job; a Ctrl-C in the terminal): the persistence process, in a session of its own, gets none.
+    SIGTERM right after step 2 reaches it, if it were in the group, while it still imports torch, before it ignores
+    SIGTERM. SIGINT: the KeyboardInterrupt ends the trainer (raised outside lowdiff's code, lowdiff/lifecycle.py)."""
     _death_loses_no_returned_step(tmp_path / "run", reference, sig, kill_after, SCENARIO, group)
 
 
@@ -385,6 +387,50 @@ def test_sigterm_that_arrives_inside_lowdiff_still_ends_a_sleeping_trainer(tmp_p
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 60
     assert lowdiff.recover(tmp_path / "run", workers=1).step == 5  # every returned step flushed
+
+
+CTRL_C_INSIDE_LOWDIFF = """
+import json, os, signal, sys, torch, lowdiff
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=0.01), model, {
+    "run_dir": sys.argv[1], "compressor": {"name": "topk", "ratio": 0.2}, "snapshot": {"every_steps": 5},
+    "log": {"batch_steps": 4, "persistence": sys.argv[2]}})
+# Called from inside opt.step(), before the inner step: a Ctrl-C while the main thread is in lowdiff's bookkeeping.
+opt.register_step_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGINT) if opt.step_count == 6 else None)
+x = torch.randn(4, 8)
+caught = None
+for _ in range(12):
+    try:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    except KeyboardInterrupt:
+        caught = opt.step_count  # the loop goes on, as a notebook cell run again does
+opt.close()
+torch.save(model.state_dict(), sys.argv[1] + ".final.pt")
+print(json.dumps({"caught": caught, "steps": opt.step_count}))
+"""
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_ctrl_c_inside_lowdiff_is_raised_once_its_step_returned(tmp_path: Path, persistence: str) -> None:
+    """A KeyboardInterrupt raised in the middle of lowdiff's bookkeeping left the persistence process expecting a
+    step it never got (it failed; the next step raised CheckpointWriteError). lowdiff's SIGINT handler defers it
+    until the main thread is out of lowdiff's code: the step that was signalled returns, the interrupt reaches the
+    loop, and the run goes on with every step logged."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_INSIDE_LOWDIFF, str(run), persistence],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Signalled during the 7th opt.step(), before its inner step: raised as it returned (without the deferral, in
+    # the hook: step 7 interrupted, caught at 6); the 12 iterations all stepped.
+    assert out == {"caught": 7, "steps": 12}, out
+    rec = lowdiff.recover(run, workers=1)
+    assert rec.step == out["steps"]
+    final = torch.load(str(run) + ".final.pt")
+    assert all(torch.equal(v, rec.model[n]) for n, v in final.items())
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])
