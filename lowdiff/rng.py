@@ -27,7 +27,7 @@ import random
 import struct
 import sys
 from collections.abc import Iterable, Mapping
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -167,11 +167,22 @@ class _NumpyReader(_DirectReader):
             return None
         return rs
 
+    _views: tuple[Any, ...] = (None,)
+    """(generator, its bit generator, the lock, ctypes arrays over its key and pos and over its gaussian cache):
+    built once per generator, so a read is two buffer copies without a foreign-function call (the generator is
+    kept alive by this reference, so its memory stays where the arrays point)."""
+
     def _read(self, gen: object, offset: int) -> bytes:
         rs = cast(np.random.RandomState, gen)
-        with rs._bit_generator.lock:  # the lock RandomState draws under
-            key_pos = ctypes.string_at(rs._bit_generator.ctypes.state_address, _MT_WORDS * 4 + 4)
-            has_gauss, gauss = _GAUSS.unpack(ctypes.string_at(id(rs) + offset + 8, _GAUSS.size))
+        views = self._views
+        if views[0] is not rs or views[1] is not rs._bit_generator or views[2] != offset:
+            bitgen = rs._bit_generator
+            views = self._views = (rs, bitgen, offset, bitgen.lock,
+                                   (ctypes.c_char * (_MT_WORDS * 4 + 4)).from_address(bitgen.ctypes.state_address),
+                                   (ctypes.c_char * _GAUSS.size).from_address(id(rs) + offset + 8))
+        with views[3]:  # the lock RandomState draws under
+            key_pos, gauss_raw = views[4].raw, views[5].raw
+        has_gauss, gauss = _GAUSS.unpack(gauss_raw)
         pos = int.from_bytes(key_pos[-4:], sys.byteorder, signed=True)
         return key_pos[:-4] + _NUMPY_TAIL.pack(pos, has_gauss, gauss)
 
@@ -207,9 +218,15 @@ class _PythonReader(_DirectReader):
         inst = getattr(random.getstate, "__self__", None)  # the generator random's functions draw from
         return inst if type(inst) is random.Random else None
 
+    _views: tuple[Any, ...] = (None,)
+    """(generator, offset, a ctypes array over its index and state words), built once per generator."""
+
     def _read(self, gen: object, offset: int) -> bytes:
         r = cast(random.Random, gen)
-        index_state = ctypes.string_at(id(r) + offset, 4 + _MT_WORDS * 4)  # holding the GIL: no draw interleaves
+        views = self._views
+        if views[0] is not r or views[1] != offset:
+            views = self._views = (r, offset, (ctypes.c_char * (4 + _MT_WORDS * 4)).from_address(id(r) + offset))
+        index_state = views[2].raw  # holding the GIL: no draw interleaves
         gauss_next = r.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in the stubs
         return index_state[4:] + index_state[:4] + _PYTHON_TAIL.pack(gauss_next is not None,
                                                                      0.0 if gauss_next is None else gauss_next)
