@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
+import os
 import signal
 import sys
 import threading
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lowdiff import signals
 from lowdiff.capture import LayerwiseCapture
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.config import Config
@@ -45,26 +47,30 @@ class Terminated(SystemExit):
     with status 143."""
 
 
-def _inside_lowdiff(frame: Any) -> bool:
-    """Whether the main thread is in lowdiff's own code (not the integrations, which run the user's loop)."""
+def _inside_lowdiff(frame: Any, outside: tuple[str, ...] = ("lowdiff.integrations",)) -> bool:
+    """Whether the main thread is in lowdiff's own code (not the integrations, which run the user's loop, nor
+    the modules named in ``outside``)."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("lowdiff.") and not name.startswith("lowdiff.integrations"):
+        if name.startswith("lowdiff.") and not name.startswith(outside):
             return True
         frame = frame.f_back
     return False
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    global _terminated, _deferred
-    if _inside_lowdiff(frame) and _deferred < MAX_DEFERRALS:
+    global _terminated, _deferred, _int_deferred, _int_pending
+    if signals.state.sending or (_inside_lowdiff(frame) and _deferred < MAX_DEFERRALS):
         # Not in the middle of lowdiff's bookkeeping (a step staged but not held, a record sealed but not handed
         # over): the signal comes back to the main thread in 5 ms (interrupting a sleep or a blocking call there),
-        # until the main thread is in the user's code; after 1 s of that, it is taken wherever the thread is.
-        _deferred += 1
+        # until the main thread is in the user's code; after 1 s of that, it is taken wherever the thread is. Never
+        # inside a message to the persistence process (lowdiff/signals.py).
+        if not signals.state.sending:
+            _deferred += 1
         threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM)).start()
         return
     _terminated = True
+    _int_deferred, _int_pending = 0, False  # a Ctrl-C deferred before: this exit supersedes it
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     log.warning("lowdiff: SIGTERM: flushing the log before exiting (a second SIGTERM exits at once)")
     raise Terminated(SIGTERM_EXIT)
@@ -72,6 +78,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 _int_deferred = 0
 _int_pending = False
+_int_resent = False
+_int_pid: int | None = None
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
@@ -80,10 +88,18 @@ def _on_sigint(signum: int, frame: Any) -> None:
     the persistence process expecting a step it never got: it failed, and the next step raised
     CheckpointWriteError. Deferred, it is raised as ``opt.step()`` returns (:func:`raise_deferred_interrupt`), or
     where the main thread is 5 ms later if it has left lowdiff's code by then (the signal comes back, interrupting a
-    wait); after 1 s of that, wherever the thread is."""
-    global _int_deferred, _int_pending
-    if _inside_lowdiff(frame) and _int_deferred < MAX_DEFERRALS:
-        _int_deferred += 1
+    wait); after 1 s of that, wherever the thread is. Deferred only while a wrapper is open, in the process that
+    installed the handler (not a DataLoader worker forked from it), and not in lowdiff.data's loader, which runs
+    the program's dataset code."""
+    global _int_deferred, _int_pending, _int_resent
+    resent, _int_resent = _int_resent, False
+    if resent and not _int_pending:
+        return  # the re-sent signal of an interrupt already raised at the end of a step
+    deferring = signals.state.sending or (
+        _inside_lowdiff(frame, ("lowdiff.integrations", "lowdiff.data")) and _int_deferred < MAX_DEFERRALS)
+    if deferring and len(OPEN) and os.getpid() == _int_pid:
+        if not signals.state.sending:
+            _int_deferred += 1
         _int_pending = True
         threading.Timer(0.005, _resend_sigint).start()
         return
@@ -92,7 +108,9 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def _resend_sigint() -> None:
+    global _int_resent
     if _int_pending:
+        _int_resent = True
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
 
@@ -105,19 +123,31 @@ def raise_deferred_interrupt() -> None:
         raise KeyboardInterrupt
 
 
+def guard_sigint() -> None:
+    """Install lowdiff's SIGINT handler over Python's default one: at ``wrap()``, and at every step, since a
+    notebook kernel puts the default back for each cell it runs. A handler of the program's own is left alone."""
+    global _int_pid
+    if len(OPEN) and signal.getsignal(signal.SIGINT) is signal.default_int_handler \
+            and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+        _int_pid = os.getpid()
+
+
+signals.HANDLERS.update({_on_sigterm, _on_sigint})
+
+
 def opened(opt: LowDiffOptimizer) -> None:
     """``opt`` holds a run directory until it is closed. The first one installs the SIGTERM handler, when the
     process has none of its own and this is the main thread: a scheduler's SIGTERM then flushes the log (what
     the writer thread holds would otherwise die with the process) instead of ending the process on the spot.
-    Python's own SIGINT handler (KeyboardInterrupt) is replaced by one that raises it outside lowdiff's code; a
-    handler of the program's own is left alone."""
+    Python's own SIGINT handler (KeyboardInterrupt) is replaced by one that raises it outside lowdiff's code
+    (:func:`guard_sigint`)."""
     OPEN.add(opt)
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_sigint)
+    guard_sigint()
 
 
 @atexit.register  # after h5py's import (lowdiff.storage), so it runs before h5py's exit handler

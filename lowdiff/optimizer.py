@@ -382,6 +382,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         ``closure`` (Lightning passes one): run once, with gradients enabled, before the step (it computes the loss
         and the gradients); its value is returned."""
         self._check_usable()
+        lifecycle.guard_sigint()
         if self._step0 is not None:
             self._settle_step0()
         if self._iteration is not None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import lowdiff
+from lowdiff import signals
 from lowdiff.errors import CheckpointWriteError
 from lowdiff.packing import PackedStep, StepPacker, pack_host, remember
 from lowdiff.ring import Arena, RingAllocator
@@ -55,31 +56,23 @@ _FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a messag
 def _send_bytes(conn: Connection, msg: Any) -> None:
     """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body.
 
-    A signal handler that raises in the middle (lowdiff's SIGTERM handler after its deferrals, KeyboardInterrupt)
-    must not leave half a message on the socket, nor a message taken off a queue and never sent (a kill test lost
-    the step whose seal it was). Holding SIGTERM and SIGINT back around every send cost two system calls a step;
-    instead a handler's exception, which Python raises before the write, between two partial writes or while
-    one waits (then nothing of it was written), is raised only once the rest of the message went, with the
-    signals held back: as if the signal had come just after the message."""
+    A signal handler that raises in the middle (KeyboardInterrupt, lowdiff's SIGTERM handler after its
+    deferrals, a program's own ``sys.exit`` on SIGTERM) must not leave part of a message unsent or sent twice, nor
+    a message taken off a queue and never sent (a kill test lost the step whose seal it was). While it writes,
+    lowdiff's own handlers defer (lowdiff/signals.py); with a handler of the program's own installed, SIGTERM and
+    SIGINT are held back instead, which costs two system calls a message."""
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) >= 1 << 31:
+    if len(data) >= 1 << 31 or not signals.only_lowdiffs():
         _whole(conn.send_bytes, data)
         return
     frame = memoryview(_FRAME.pack(len(data)) + data)
-    fd, sent = conn.fileno(), 0
+    fd = conn.fileno()
     try:
-        while sent < len(frame):
-            sent += os.write(fd, frame[sent:])
-    except OSError:
-        raise
-    except BaseException:
-        _whole(_write_all, fd, frame[sent:])
-        raise
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    while len(buf):
-        buf = buf[os.write(fd, buf):]
+        signals.state.sending = True
+        while len(frame):
+            frame = frame[os.write(fd, frame):]
+    finally:
+        signals.state.sending = False
 
 
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}

@@ -237,6 +237,8 @@ class _PythonReader(_DirectReader):
         return _python_bytes(getstate())
 
     def _find_offset(self) -> int | None:
+        if not getattr(sys, "_is_gil_enabled", lambda: True)():
+            return None  # free-threaded: another thread's draw may interleave with the copy (numpy's has a lock)
         probe = random.Random(12345)
         offset = object.__basicsize__  # PyObject_HEAD; its size differs on free-threaded builds
         if type(probe).__basicsize__ < offset + 4 + _MT_WORDS * 4:
@@ -279,10 +281,16 @@ class Captured(dict[str, torch.Tensor]):
         self.raw = raw
 
 
-def capture(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> Captured:
+def capture(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> dict[str, torch.Tensor]:
     """The state of every RNG source now, by entry name (prefixed with ``rank_prefix(rank)``).
 
     Costs a few tens of microseconds; the tensors are fresh CPU copies."""
+    return dict(capture_raw(rank, cuda_devices))
+
+
+def capture_raw(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> Captured:
+    """:func:`capture`, keeping the bytes the tensors were made from (what lowdiff's stager takes: the message to
+    the persistence process carries them). A plain dict is what to save or pickle."""
     p = rank_prefix(rank)
     raw = {p + TORCH: torch.get_rng_state().numpy().tobytes()}
     for index in cuda_devices:

@@ -327,7 +327,7 @@ class Stager:
 
     def rng(self) -> dict[str, torch.Tensor]:
         """This rank's RNG state now (the generators of the CUDA devices the model is on included)."""
-        return rng_state.capture(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
+        return rng_state.capture_raw(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
 
     def _changed_buffers(self) -> dict[str, torch.Tensor]:
         # Compared by value: kernels such as batch_norm update running stats in place without bumping the

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import random
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,8 +133,12 @@ def _python_bytes(state: tuple) -> bytes:
         + np.float64(0.0 if gauss_next is None else gauss_next).astype("<f8").tobytes()
 
 
-def test_capture_keeps_the_bytes_it_made_its_tensors_from() -> None:
-    state = lowdiff_rng.capture()
+def test_capture_raw_keeps_the_bytes_it_made_its_tensors_from_and_capture_saves_as_a_plain_dict(
+        tmp_path: Path) -> None:
+    state = lowdiff_rng.capture_raw()
     raw = state.raw
     assert raw.keys() == state.keys()
     assert all(bytes(state[k].numpy()) == v for k, v in raw.items())
+    torch.save(lowdiff_rng.capture(), tmp_path / "rng.pt")  # loads with torch.load's default weights_only=True
+    loaded = torch.load(tmp_path / "rng.pt")
+    assert type(loaded) is dict and loaded.keys() == raw.keys()
