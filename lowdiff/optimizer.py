@@ -299,6 +299,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._coord.barrier("recovered")
         if self._leader:
             self._run_dir.quarantine_beyond(rec.step)
+        # Files from here on are of a new branch of the run's history: a file the resume moved aside and someone
+        # puts back is refused (lowdiff.storage.history), even where no file of this branch holds its steps.
+        self._run_dir.start_branch(rec.step, self._coord.broadcast_ints, commit=self._leader)
         self._coord.barrier("quarantined")
         self._loop.step = rec.step
         self._loop.stepped = False

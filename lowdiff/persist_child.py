@@ -137,6 +137,7 @@ def main(fd: int) -> None:
     apply_persistence_env()  # lowdiff.testing's fault injection, when a test asked for it
     run_dir = RunDir(start["path"], Shard(*start["shard"]), compressor_params=start["compressor_params"])
     run_dir.run_id = start["run_id"]
+    run_dir.branch = start["branch"]
     w = dict(start["writer"])
     if start["shadow"] is not None:
         # The replica's first optimizer step imports torch._dynamo (2 s here): before "ready", so that the wait

@@ -164,6 +164,7 @@ class ProcessWriter:
         _send_bytes(self._conn, {
             "path": str(run_dir.path), "shard": (run_dir.shard.index, run_dir.shard.count),
             "compressor_params": run_dir.compressor_params, "run_id": run_dir.run_id,
+            "branch": run_dir.branch,
             "writer": {"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
                        "queue_depth": queue_depth, "retention": retention.keep_snapshots,
                        "durable_step": durable_step, "when_behind": when_behind},

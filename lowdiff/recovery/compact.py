@@ -11,7 +11,7 @@ from lowdiff.config import resolve_codec
 from lowdiff.errors import LowDiffError
 from lowdiff.named_state import to_named
 from lowdiff.recovery.api import Recovered, recover
-from lowdiff.storage import layout
+from lowdiff.storage import history, layout
 from lowdiff.storage.format import Shard, encode_value, list_snapshots
 from lowdiff.storage.manifest import Manifest, read_manifest
 from lowdiff.storage.run_dir import RetentionPolicy, RunDir
@@ -56,11 +56,12 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
                                            str(manifest.config.get("compressor", {}).get("name", "none")))
             state = snapshot_from_recovered(manifest, rec)
             count = rec.world_size if rec.world_size in layout.layouts(manifest.sharding) else 1
+            run.branch = history.at_step(manifest.history, rec.step)  # the history that state is in
             if count == 1:
                 run.write_snapshot(state, codec)
             else:  # a fully_shard run: the snapshot in its chain's layout, one file per rank (FORMAT.md section 9)
                 for i, part in enumerate(layout.split(manifest, state, count)):
-                    write_snapshot(root, part, codec, Shard(i, count), run_id=manifest.run_id)
+                    write_snapshot(root, part, codec, Shard(i, count), run_id=manifest.run_id, branch=run.branch)
             wrote = True
         removed = run.apply_retention(RetentionPolicy(keep)) if keep else []
         return CompactResult(step=rec.step, wrote_snapshot=wrote, removed=removed)

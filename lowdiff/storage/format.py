@@ -17,8 +17,8 @@ from lowdiff.storage.safe_io import lstat_size
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
-FORMAT_MINOR = 3  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
-# 2.3: sharded (fully_shard) layouts in the manifest
+FORMAT_MINOR = 4  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
+# 2.3: sharded (fully_shard) layouts in the manifest; 2.4: the run's history (branches) in the manifest and files
 MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"

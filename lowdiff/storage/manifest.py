@@ -21,6 +21,8 @@ from typing import Any
 from lowdiff.errors import CorruptFileError, FileVanishedError, ModelMismatchError, RunDirNotFoundError
 from lowdiff.storage.atomic import write_json_atomic
 from lowdiff.storage.format import DTYPES, FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from lowdiff.storage.history import History
+from lowdiff.storage.history import check as check_history
 from lowdiff.storage.layout import SEP, check_sharding
 from lowdiff.storage.safe_io import parse_json, read_bounded
 from lowdiff.storage.validate import check_run_id, decoded_defaults
@@ -65,11 +67,12 @@ def run_id_from_ints(values: list[int]) -> str:
     return f"{(hi << 64) | lo:032x}"
 
 
-def shared_run_id(broadcast_ints: Callable[[list[int], str], list[int]]) -> str:
-    """A new run's id, the same on every rank: rank 0's fresh id, broadcast (``Coordinator.broadcast_ints``; in one
-    process it returns its argument). Every rank stamps its shard of snapshot 0 before rank 0 writes the manifest,
-    so the id cannot be read from the manifest, and nothing all ranks share is unique to one run."""
-    return run_id_from_ints(broadcast_ints(run_id_to_ints(new_run_id()), "run id"))
+def shared_run_id(broadcast_ints: Callable[[list[int], str], list[int]], what: str = "run id") -> str:
+    """A fresh id, the same on every rank: rank 0's, broadcast (``Coordinator.broadcast_ints``; in one process it
+    returns its argument). A new run's id: every rank stamps its shard of snapshot 0 before rank 0 writes the
+    manifest, so the id cannot be read from the manifest, and nothing all ranks share is unique to one run. A
+    resume's branch id (lowdiff.storage.history) likewise."""
+    return run_id_from_ints(broadcast_ints(run_id_to_ints(new_run_id()), what))
 
 
 @dataclass
@@ -93,6 +96,9 @@ class Manifest:
     """fully_shard (FSDP2) runs: every mesh size's shards of every parameter (format 2.3, lowdiff.storage.layout)."""
     layout: int = 1
     """Shards per parameter of the tensors this manifest lists (1: the model's own; >1: a layout's view)."""
+    history: History = field(default_factory=list)
+    """The branches resumes started (format 2.4; lowdiff.storage.history): (branch id, step it resumed from),
+    oldest first; empty for a run never resumed by a 2.4 writer."""
 
     def param(self, name: str) -> TensorSpec:
         return self._params_by_name[name]
@@ -143,6 +149,8 @@ class Manifest:
             body["run_id"] = self.run_id
         if self.sharding is not None:
             body["sharding"] = self.sharding
+        if self.history:
+            body["history"] = [list(h) for h in self.history]
         return body | {"crc32": _crc(body)}
 
 
@@ -234,7 +242,8 @@ def _parse(raw: bytes, path: Path) -> Manifest:
     manifest = Manifest(params=params, buffers=buffers, state_dict_keys=[(k, c) for k, c in keys],
                         optimizer_class=cls, optimizer_defaults=dict(opt["defaults"]), param_groups=groups,
                         config=config, created_unix_s=float(created),
-                        run_id=check_run_id(doc.get("run_id"), str(path)), format_minor=minor, sharding=sharding)
+                        run_id=check_run_id(doc.get("run_id"), str(path)), format_minor=minor, sharding=sharding,
+                        history=check_history(doc.get("history"), str(path)))
     manifest.defaults_decoded  # noqa: B018  (checks every default now: a bad one is the manifest's fault)
     limit = _memory_bytes()
     if limit and manifest.state_nbytes > limit:

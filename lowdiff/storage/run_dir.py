@@ -8,7 +8,7 @@ Training code (the wrapper, the background writer, the tuner's decision record) 
    remove ``*.tmp`` files an earlier crash left.
 2. A new run: :meth:`write_snapshot` of step 0 (every rank its shard), then :meth:`commit_manifest` (one
    rank): the manifest commits the run. An existing run: :meth:`read_manifest`, and after recovery
-   :meth:`quarantine_beyond` the resumed step (one rank).
+   :meth:`quarantine_beyond` the resumed step (one rank), then :meth:`start_branch` (every rank).
 3. While training (the writer thread): :meth:`write_segment` and :meth:`write_snapshot`, each an atomic commit
    (``*.tmp``, fsync, rename, directory fsync); :meth:`apply_retention` after a snapshot (one rank);
    :meth:`record_decisions` for the tuner.
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import CheckpointWriteError
+from lowdiff.storage import history
 from lowdiff.storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
 from lowdiff.storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond, parse_snapshot_name
 from lowdiff.storage.lock import WriterLock, wait_for_persistence
@@ -73,6 +74,9 @@ class RunDir:
         self.run_id: str | None = None
         """The id every file of the run is stamped with: the manifest's, known once the run is committed or read
         (None for a run written before run ids existed: its new files stay without one)."""
+        self.branch: str | None = None
+        """The history new files are stamped with (lowdiff.storage.history): the manifest's current branch, a new
+        one from :meth:`start_branch` (a resume); None: the run's first history."""
         self._lock: WriterLock | None = None
 
     def __repr__(self) -> str:
@@ -119,11 +123,24 @@ class RunDir:
         for change in config_changes(recorded, current):
             log.warning("lowdiff: resuming %s: %s", self.path, change)
         self.run_id = recorded.run_id
+        self.branch = history.current(recorded.history)
 
     def new_run(self, manifest: Manifest, broadcast_ints: Callable[[list[int], str], list[int]]) -> None:
         """Start a new run: draw its id (rank 0's, broadcast, so every rank stamps the same) into ``manifest``.
         Then :meth:`write_snapshot` of step 0 on every rank and :meth:`commit_manifest` on one."""
         self.run_id = manifest.run_id = shared_run_id(broadcast_ints)
+
+    def start_branch(self, step: int, broadcast_ints: Callable[[list[int], str], list[int]], commit: bool) -> None:
+        """A resume continues from the state of ``step``, after :meth:`quarantine_beyond` moved every later file
+        aside: new files go to a new branch (lowdiff.storage.history; its id drawn like the run id, the same on
+        every rank), and a file of the history left behind, put back later, is refused. ``commit``: this rank writes
+        the manifest (one rank, before any rank writes a file of the branch)."""
+        branch = shared_run_id(broadcast_ints, "branch id")
+        if commit:
+            recorded = self.read_manifest()
+            recorded.history = history.resumed(recorded.history, branch, step)
+            write_manifest(self.path, recorded)
+        self.branch = branch
 
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit the run: written last, after the step-0 snapshot, by one rank."""
@@ -133,12 +150,12 @@ class RunDir:
 
     def write_snapshot(self, state: SnapshotState, codec: str) -> int:
         """Commit this rank's share of the snapshot at ``state.step``; returns the bytes written."""
-        return write_snapshot(self.path, state, codec, self.shard, run_id=self.run_id)
+        return write_snapshot(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch)
 
     def write_segment(self, records: Sequence[StepRecord], codec: str, compressor: str) -> int:
         """Commit this rank's share of the segment holding ``records`` (consecutive steps); returns bytes."""
         return write_segment(self.path, list(records), codec, compressor, self.shard, run_id=self.run_id,
-                             compressor_params=self.compressor_params)
+                             branch=self.branch, compressor_params=self.compressor_params)
 
     def apply_retention(self, policy: RetentionPolicy) -> list[Path]:
         """Delete what ``policy`` does not keep (one rank: the files of every shard go together)."""

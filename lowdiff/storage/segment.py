@@ -80,9 +80,10 @@ class StepRecord:
 
 
 def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str,
-                  shard: Shard = UNSHARDED, *, run_id: str | None = None,
+                  shard: Shard = UNSHARDED, *, run_id: str | None = None, branch: str | None = None,
                   compressor_params: dict[str, Any] | None = None) -> int:
     """Commit ``log/steps-F-L.h5`` (or this rank's shard of it) holding ``records``. ``run_id``: the manifest's;
+    ``branch``: the history the run is in (lowdiff.storage.history; None: its first);
     ``compressor_params``: the compressor's ``ratio`` and ``rank``, which bound every payload a reader accepts."""
     first, last = records[0].step, records[-1].step
     if [r.step for r in records] != list(range(first, last + 1)):
@@ -126,6 +127,8 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
         "steps": [_step_meta(r) for r in records]}
     if run_id is not None:
         meta["run_id"] = run_id
+    if branch is not None:
+        meta["branch"] = branch
     if compressor_params is not None:
         meta["compressor_params"] = compressor_params
     return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)

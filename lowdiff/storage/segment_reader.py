@@ -116,7 +116,7 @@ class SegmentReader:
             raise ForeignFileError(f"{path}: holds steps {str(meta.get('first_step'))[:20]}-"
                                    f"{str(meta.get('last_step'))[:20]}, its name says {first}-{last} (a segment "
                                    "copied or renamed; remove it)", path=path, step=first)
-        check_belongs(meta, self.manifest.run_id, path)
+        check_belongs(meta, self.manifest.run_id, path, self.manifest.history, (first - 1, last))
         if meta.get("compressor") not in COMPRESSOR_NAMES:
             raise self._fail(f"unknown compressor {str(meta.get('compressor'))[:40]!r}", path=path)
         params = meta.get("compressor_params")

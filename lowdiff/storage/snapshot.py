@@ -79,10 +79,11 @@ class SnapshotState:
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED, *,
-                   run_id: str | None = None) -> int:
+                   run_id: str | None = None, branch: str | None = None) -> int:
     """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no
     longer mutates. With several shards each file holds part of the tensors and the same metadata. ``run_id``:
-    the manifest's (None only in a run written before run ids existed)."""
+    the manifest's (None only in a run written before run ids existed); ``branch``: the history the run is in
+    (lowdiff.storage.history; None: its first)."""
     entries: list[EntryIn] = []
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -113,6 +114,8 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
             "compressor": state.compressor_name, "extra": state.extra, "shard": [shard.index, shard.count]}
     if run_id is not None:
         meta["run_id"] = run_id
+    if branch is not None:
+        meta["branch"] = branch
     path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
     return write_container(path, KIND, meta, entries, codec)
 
@@ -177,7 +180,7 @@ def _check_meta(r: ContainerReader, manifest: Manifest, state: SnapshotState | N
             raise ForeignFileError(f"{path}: holds the state after step {step}, its name says step {named[0]} (a "
                                    "snapshot copied or renamed; remove it)", path=path, step=named[0])
         check_shard(meta, named[1].index, named[1].count, path)
-    check_belongs(meta, manifest.run_id, path)
+    check_belongs(meta, manifest.run_id, path, manifest.history, (step, step))
     where = f"{path} (step {step})"
     if meta.get("compressor") not in COMPRESSOR_NAMES:
         raise CorruptFileError(f"{where}: unknown compressor {str(meta.get('compressor'))[:40]!r}")

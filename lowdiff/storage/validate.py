@@ -17,6 +17,7 @@ import torch
 
 from lowdiff.errors import CorruptFileError, ForeignFileError
 from lowdiff.storage.format import decode_value
+from lowdiff.storage.history import History, check_branch, span
 
 RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -37,8 +38,12 @@ def check_run_id(value: Any, where: str) -> str | None:
     return value
 
 
-def check_belongs(meta: dict[str, Any], run_id: str | None, path: Path) -> None:
-    """The file's run id must be the manifest's (both absent in a run written before run ids existed)."""
+def check_belongs(meta: dict[str, Any], run_id: str | None, path: Path, history: History | None = None,
+                  states: tuple[int, int] | None = None) -> None:
+    """The file's run id must be the manifest's (both absent in a run written before run ids existed); with
+    ``history`` (the manifest's) and ``states`` (the first and last step whose state the file needs or gives: a
+    segment of steps F-L needs the state of F-1), its branch must be one of that history whose span holds them
+    (lowdiff.storage.history)."""
     mine = check_run_id(meta.get("run_id"), str(path))
     if mine != run_id:
         if run_id is None:
@@ -48,6 +53,22 @@ def check_belongs(meta: dict[str, Any], run_id: str | None, path: Path) -> None:
         else:
             what = f"belongs to run {mine}, not to this run ({run_id})"
         raise ForeignFileError(f"{path}: {what}; it was copied or linked in from elsewhere (remove it)", path=path)
+    if history is None or states is None:
+        return
+    branch = check_branch(meta.get("branch"), str(path))
+    steps = span(history, branch)
+    name = "the run's first history" if branch is None else f"branch {branch}"
+    if steps is None:
+        raise ForeignFileError(f"{path}: written by {name}, which a resume of this run went back from and discarded "
+                               "(a file put back from quarantine/ or from a backup); remove it", path=path)
+    first, last = steps
+    held = f"step {states[1]}" if states[0] == states[1] else f"steps {states[0] + 1}-{states[1]}"
+    if last is not None and states[1] > last:
+        raise ForeignFileError(f"{path}: holds {held} of {name}, which a resume of this run left at step {last}: "
+                               "the file is from the discarded part of that history (put back from quarantine/ or "
+                               "from a backup); remove it", path=path)
+    if states[0] < first:
+        raise ForeignFileError(f"{path}: holds {held}, before step {first} where {name} began; remove it", path=path)
 
 
 def check_shard(meta: dict[str, Any], index: int, count: int, path: Path) -> None:

@@ -388,6 +388,17 @@ CASES: list[Case] = [
     Case("hdf5_extra_dataset", "wrong-state", _h5(S(8), _extra_dataset), exact(STEPS, 4, S(8))),
     Case("golden_run_with_a_file_naming_a_run_id", "wrong-state",
          _meta(L(4, 6), lambda m: m.__setitem__("run_id", "0" * 32)), exact(4, 4, L(4, 6)), base="golden"),
+    # files of a history a resume went back from (format 2.4: the manifest's history, each file's branch)
+    Case("segment_of_a_discarded_branch", "wrong-state", _meta(L(10, 10), lambda m: m.__setitem__("branch", "d" * 32)),
+         exact(9, 8, L(10, 10))),
+    Case("snapshot_of_a_discarded_branch", "wrong-state", _meta(S(8), lambda m: m.__setitem__("branch", "d" * 32)),
+         exact(STEPS, 4, S(8))),
+    Case("first_history_left_at_step_6", "wrong-state", _manifest(lambda d: d.__setitem__("history", [["a" * 32, 6]])),
+         exact(6, 4, S(8), L(7, 9))),
+    Case("segment_branch_not_hex", "exception", _meta(L(10, 10), lambda m: m.__setitem__("branch", 7)),
+         exact(9, 8, L(10, 10))),
+    Case("manifest_history_going_back", "exception",
+         _manifest(lambda d: d.__setitem__("history", [["a" * 32, 5], ["b" * 32, 3]])), refuse("manifest.json")),
     # hangs
     Case("fifo_named_like_a_snapshot", "hang", _fifo(S(12)), exact(STEPS, 8, S(12))),
     Case("fifo_named_like_a_segment", "hang", _fifo(L(11, 11)), exact(STEPS, 8, L(11, 11))),

@@ -1,7 +1,9 @@
-"""Files put back into a run directory by hand or by a backup tool: a segment moved to ``quarantine/`` by a resume
-and restored next to the segments that replaced it holds the same steps as they do. Recovery must never apply a
-step twice or pick one of two files silently: it stops before the first step two segments hold, and ``lowdiff
-verify`` names them (docs/reference/FORMAT.md §8)."""
+"""Files put back into a run directory by hand or by a backup tool: a segment or snapshot moved to ``quarantine/``
+by a resume, restored next to the files of the history that replaced it. Recovery must never apply a step of a
+discarded history nor pick one of two files silently: every file names the branch of the run's history it was
+written in, and one of a branch a resume went back from is refused for the steps it holds past that point, even
+where no file of the current history holds them (docs/reference/FORMAT.md §8); two segments of the current history
+holding one step (a restored backup of the run written before branches existed) end the chain before it."""
 
 from __future__ import annotations
 
@@ -9,21 +11,26 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lowdiff_harness import Scenario, assert_state_equal, start, train_run
+from lowdiff_harness import Scenario, Trainer, assert_state_equal, start, train_run
 
 import lowdiff
 from lowdiff.recovery.verify import verify
+from lowdiff.storage.manifest import read_manifest
 
 SCENARIO = Scenario(compressor="topk", ratio=0.25, every_steps=5, batch_steps=3)
 
 
-def _resume_at_snapshot_and_train(run: Path, last: int):
+def _resume_at_snapshot_and_train(run: Path, last: int, lr_scale: float = 1.0) -> tuple[int, Trainer]:
+    """Resume at the newest snapshot and train to ``last``; with ``lr_scale``, with another learning rate from there
+    on (a rollback after a loss spike): the new history then differs from the one it replaced."""
     t = start(SCENARIO, run, resume=False)
     k = t.opt.resume(at="snapshot")
+    for g in t.inner.param_groups:
+        g["lr"] *= lr_scale
     t.record(k)
     t.train(k + 1, last)
     t.opt.close()
-    return k
+    return k, t
 
 
 def test_an_ordinary_resume_at_a_snapshot_verifies(tmp_path: Path) -> None:
@@ -31,7 +38,7 @@ def test_an_ordinary_resume_at_a_snapshot_verifies(tmp_path: Path) -> None:
     step 9), which snapshot 10 covers: nothing is skipped or refused, so verify reports no problem."""
     run = tmp_path / "run"
     ref = train_run(SCENARIO, run, 12)
-    assert _resume_at_snapshot_and_train(run, 13) == 10
+    assert _resume_at_snapshot_and_train(run, 13)[0] == 10
     report = verify(run)
     assert report.ok, report.problems
     assert report.latest_step == 13
@@ -40,17 +47,89 @@ def test_an_ordinary_resume_at_a_snapshot_verifies(tmp_path: Path) -> None:
 
 def test_a_quarantined_segment_put_back_is_not_replayed_twice(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    ref = train_run(SCENARIO, run, 12)
-    _resume_at_snapshot_and_train(run, 13)
+    train_run(SCENARIO, run, 12)
+    _, t = _resume_at_snapshot_and_train(run, 13, lr_scale=0.5)
     (moved,) = [p for p in (run / "quarantine").rglob("*.h5") if "steps-" in p.name]
     shutil.copy2(moved, run / "log" / moved.name.removeprefix("log-"))  # steps 10-12, beside those of 11-13
     rec = lowdiff.recover(run)
-    assert rec.step == 10  # the snapshot: steps 11 and 12 are held by two files
-    assert_state_equal(*ref.refs[10], rec)
-    assert any("held by two segments" in s for s in rec.report.skipped)
-    with pytest.raises(lowdiff.StepNotAvailableError, match="held by two segments"):
-        lowdiff.recover(run, step=12)
+    assert rec.step == 13  # around the file of the history left at step 10, along the one that replaced it
+    assert_state_equal(*t.refs[13], rec)
+    assert any("steps-0000000010-0000000012" in s and "discarded part" in s for s in rec.report.skipped), \
+        rec.report.skipped
+    assert_state_equal(*t.refs[12], lowdiff.recover(run, step=12))
     report = verify(run)
     assert not report.ok
-    assert any("steps-0000000010-0000000012" in p and "steps-0000000011-0000000013" in p for p in report.problems), \
+    assert any("steps-0000000010-0000000012" in p and "left at step 10" in p for p in report.problems), \
         report.problems
+
+
+def test_a_segment_of_a_discarded_history_that_no_step_collides_with_is_refused(tmp_path: Path) -> None:
+    """The rollback trains fewer steps than the history it replaced: the old segment of steps 22-24 put back
+    follows the new history's last segment (21-21) with no step in common. Replayed on the new state it would give
+    a state neither history had, silently."""
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 24)  # segments ..., 19-21, 22-24; snapshots ..., 15, 20
+    k, t = _resume_at_snapshot_and_train(run, 21, lr_scale=0.5)
+    assert k == 20
+    moved = run / "quarantine" / "log-steps-0000000022-0000000024.h5"
+    shutil.copy2(moved, run / "log" / "steps-0000000022-0000000024.h5")
+    rec = lowdiff.recover(run)
+    assert rec.step == 21
+    assert_state_equal(*t.refs[21], rec)
+    assert any("steps-0000000022-0000000024" in s and "left at step 20" in s for s in rec.report.skipped), \
+        rec.report.skipped
+    with pytest.raises(lowdiff.CorruptFileError, match="discarded part"):
+        lowdiff.recover(run, step=24)
+    report = verify(run)
+    assert any("steps-0000000022-0000000024" in p for p in report.problems), report.problems
+
+
+def test_a_snapshot_of_a_discarded_history_restored_from_a_backup_is_refused(tmp_path: Path) -> None:
+    """Snapshot 25 was damaged, so the resume went back to snapshot 20 and moved it aside; the rollback then trains
+    to step 23 only. The intact copy of snapshot 25 restored from a backup is newer than anything of the new
+    history: recovery would start from it and return the old history's state."""
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 26)
+    snap25 = next((run / "snapshots").glob("*0000000025*"))
+    backup = tmp_path / snap25.name
+    shutil.copy2(snap25, backup)
+    with open(snap25, "r+b") as f:  # damaged: its checksum fails
+        f.seek(snap25.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    k, t = _resume_at_snapshot_and_train(run, 23, lr_scale=0.5)
+    assert k == 20
+    shutil.copy2(backup, snap25)
+    rec = lowdiff.recover(run)
+    assert rec.step == 23
+    assert_state_equal(*t.refs[23], rec)
+    assert any(snap25.name in s and "left at step 20" in s for s in rec.report.skipped), rec.report.skipped
+
+
+def test_a_resume_at_the_latest_step_keeps_every_file_readable(tmp_path: Path) -> None:
+    """Crash-and-resume cycles without going back: each resume starts a branch at the log's end, and every file of
+    every branch stays in the one history recovery follows, back to step 0."""
+    run = tmp_path / "run"
+    ref = train_run(SCENARIO, run, 7)
+    for last in (11, 16):
+        t = start(SCENARIO, run)
+        k = t.opt.step_count
+        t.train(k + 1, last)
+        t.opt.close()
+        ref.refs.update((s, v) for s, v in t.refs.items() if s > k)  # refs[k]: the end of iteration k
+    for step in (3, 7, 11, 14, 16):
+        assert_state_equal(*ref.refs[step], lowdiff.recover(run, step=step))
+    assert verify(run).ok
+    assert len(read_manifest(run).history) == 2
+
+
+def test_compaction_after_a_rollback_writes_its_snapshot_into_the_current_history(tmp_path: Path) -> None:
+    """``lowdiff compact`` stamps the snapshot it writes with the branch whose span holds its step: with every
+    older file deleted (keep 1), recovery has that snapshot alone."""
+    from lowdiff.recovery.compact import compact
+
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 12)
+    _, t = _resume_at_snapshot_and_train(run, 13, lr_scale=0.5)
+    assert compact(run, step=13, keep=1).wrote_snapshot
+    assert_state_equal(*t.refs[13], lowdiff.recover(run))
+    assert verify(run).ok

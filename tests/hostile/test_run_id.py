@@ -34,7 +34,7 @@ def test_every_file_names_the_run_and_its_shard(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train_run(Scenario(compressor="topk", ratio=0.5), run, 7)
     m = read_manifest(run)
-    assert m.run_id is not None and len(m.run_id) == 32 and m.format_minor == 3
+    assert m.run_id is not None and len(m.run_id) == 32 and m.format_minor == 4
     metas = _metas(run)
     assert len(metas) >= 4 and all(meta["run_id"] == m.run_id and meta["shard"] == [0, 1] for meta in metas)
     seg = [meta for meta in metas if "first_step" in meta]
@@ -81,13 +81,20 @@ def test_golden_run_without_run_id_recovers_exactly_and_verifies(tmp_path: Path)
 def test_golden_run_resumed_by_this_version_stays_without_run_id(tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(GOLDEN / "run", run)
-    manifest_before = (run / "manifest.json").read_bytes()
+    before = json.loads((run / "manifest.json").read_text())
     t = start(GOLDEN_SCENARIO, run)
     assert t.opt.step_count == 6
     t.train(7, 11)
     t.opt.close()
-    assert (run / "manifest.json").read_bytes() == manifest_before
+    after = json.loads((run / "manifest.json").read_text())
+    # The resume recorded its branch of the run's history (format 2.4) and nothing else.
+    (branch, step), = after.pop("history")
+    assert step == 6 and len(branch) == 32
+    for doc in (before, after):
+        doc.pop("crc32"), doc.pop("format_minor", None)
+    assert after == before
     assert all("run_id" not in meta for meta in _metas(run))
+    assert {meta.get("branch") for meta in _metas(run)} == {None, branch}
     for step in (9, 11):
         assert_state_equal(*t.refs[step], lowdiff.recover(run, step=step, workers=1))
     assert verify(run).ok
