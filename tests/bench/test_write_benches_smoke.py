@@ -1,5 +1,5 @@
-"""bench/gil.py, bench/writebw.py and bench/pagecache.py --smoke run end to end and write their JSON (never into
-bench/results/)."""
+"""bench/gil.py, bench/writebw.py, bench/pagecache.py and bench/membw.py --smoke run end to end and write their
+JSON (never into bench/results/)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,10 @@ def test_pagecache_smoke(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "pagecache.json").read_text())
     assert [r["mode"] for r in res["rows"]] == ["kept", "dropped"] and all(r["writes"] == 2 for r in res["rows"])
     assert list(work.iterdir()) == []  # its files removed
+
+
+def test_membw_smoke(tmp_path: Path) -> None:
+    _run("membw.py", "--out-dir", str(tmp_path), "--docs", str(tmp_path / "membw.md"))
+    res = json.loads((tmp_path / "membw.json").read_text())
+    assert set(res["scaling"]) == {"compute", "memory"} and res["beside"]["median_s"]["copy"] > 0
+    assert "## A gradient copy beside training" in (tmp_path / "membw.md").read_text()
