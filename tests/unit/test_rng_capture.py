@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import types
 from pathlib import Path
 
@@ -142,3 +143,37 @@ def test_capture_raw_keeps_the_bytes_it_made_its_tensors_from_and_capture_saves_
     torch.save(lowdiff_rng.capture(), tmp_path / "rng.pt")  # loads with torch.load's default weights_only=True
     loaded = torch.load(tmp_path / "rng.pt")
     assert type(loaded) is dict and loaded.keys() == raw.keys()
+
+
+FAST_READS_EXPECTED = (sys.byteorder == "little" and sys.maxsize > 2**32 and sys.implementation.name == "cpython"
+                       and getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
+@pytest.mark.skipif(not FAST_READS_EXPECTED, reason="the direct reads apply to 64-bit little-endian CPython with a GIL")
+def test_captures_read_the_generators_directly_not_through_get_state(monkeypatch: pytest.MonkeyPatch,
+                                                                    keep_python_state: None) -> None:
+    """The per-step capture reads numpy's and Python's states from the generators' memory (30-70 us a step less on
+    fast steps than get_state() / getstate(), which build 624 Python ints). Where it applies it must stay in use: a
+    change that made it fall back for good would pass every exactness test and cost every step."""
+    calls = {"numpy": 0, "python": 0}
+    real_np, real_py = np.random.get_state, random.getstate
+
+    def np_get_state(self: np.random.RandomState, legacy: bool = True) -> object:
+        calls["numpy"] += 1
+        return real_np(legacy=legacy)
+
+    def py_getstate(self: random.Random) -> object:
+        calls["python"] += 1
+        return real_py()
+
+    monkeypatch.setattr(np.random, "get_state", types.MethodType(np_get_state, real_np.__self__))
+    monkeypatch.setattr(random, "getstate", types.MethodType(py_getstate, real_py.__self__))
+    lowdiff_rng.capture()  # the first read of each may check itself against the documented call
+    np.random.random_sample(3)
+    random.random()
+    before = dict(calls)
+    for _ in range(200):
+        state = lowdiff_rng.capture()
+    assert calls["numpy"] - before["numpy"] <= 1 and calls["python"] - before["python"] <= 1, calls  # periodic check
+    assert bytes(state[lowdiff_rng.NUMPY].numpy()) == expected_numpy_bytes()
+    assert bytes(state[lowdiff_rng.PYTHON].numpy()) == _python_bytes(real_py())
