@@ -174,6 +174,11 @@ def test_topk_resume_at_snapshot_step_is_exact(tmp_path: Path) -> None:
     residuals = [read_rank_state(snap, read_manifest(tmp_path / "b"), r) for r in range(2)]
     assert residuals[0].keys() == residuals[1].keys() and residuals[0]
     assert any(not torch.equal(residuals[0][n]["residual"], residuals[1][n]["residual"]) for n in residuals[0])
+    # The resume started a branch of the run's history (FORMAT.md section 2): both ranks stamp their shards of
+    # every later file with the one the manifest records, or recovery would refuse them.
+    assert [step for _, step in read_manifest(tmp_path / "b").history] == [10]
+    for step, model_sd, optim_sd in torch.load(tmp_path / "b2.pt", weights_only=False)[-2:]:
+        assert_matches(lowdiff.recover(tmp_path / "b", step=step), model_sd, optim_sd)
 
 
 def test_powersgd_resume_at_snapshot_between_snapshots(tmp_path: Path) -> None:
