@@ -8,6 +8,7 @@ holding one step (a restored backup of the run written before branches existed) 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,13 +106,16 @@ def test_a_snapshot_of_a_discarded_history_restored_from_a_backup_is_refused(tmp
     assert any(snap25.name in s and "left at step 20" in s for s in rec.report.skipped), rec.report.skipped
 
 
-def test_a_resume_at_the_latest_step_keeps_every_file_readable(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_resume_at_the_latest_step_keeps_every_file_readable(tmp_path: Path, persistence: str) -> None:
     """Crash-and-resume cycles without going back: each resume starts a branch at the log's end, and every file of
-    every branch stays in the one history recovery follows, back to step 0."""
+    every branch stays in the one history recovery follows, back to step 0. The persistence process stamps its
+    files with the branch too (it is started after the resume, from the trainer's run directory)."""
     run = tmp_path / "run"
-    ref = train_run(SCENARIO, run, 7)
+    scenario = replace(SCENARIO, persistence=persistence)
+    ref = train_run(scenario, run, 7)
     for last in (11, 16):
-        t = start(SCENARIO, run)
+        t = start(scenario, run)
         k = t.opt.step_count
         t.train(k + 1, last)
         t.opt.close()
