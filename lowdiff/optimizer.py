@@ -279,7 +279,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
         rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
                                  rank=self._coord.rank if world > 1 else None,
-                                 shard=(self._coord.rank, world) if self._sharded is not None else None)
+                                 shard=(self._coord.rank, world) if self._sharded is not None else None,
+                                 optimizer_class=type(self.inner))
         if rec.step == 0:
             # Nothing was trained: the live state is where the run was, pretrained weights loaded after wrap()
             # included, which snapshot 0 may predate; it is written again at the first step (lowdiff.step_zero).

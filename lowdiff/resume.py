@@ -21,17 +21,19 @@ RESUME_AT = ("latest", "snapshot")
 
 
 def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | None, rank: int | None,
-                       shard: tuple[int, int] | None = None) -> Recovered:
+                       shard: tuple[int, int] | None = None, optimizer_class: type | None = None) -> Recovered:
     """The state ``resume(at=...)`` continues from: the latest durable step, or the newest snapshot step whose
     compressor memory is exact (``at="snapshot"``: with Top-k or PowerSGD the only bit-exact continuation after a
-    crash between snapshots; the loop redoes the steps after it)."""
+    crash between snapshots; the loop redoes the steps after it). ``optimizer_class``: the wrapped optimizer's (the
+    replay's, also when it is not one of torch.optim's: the trainer built it, so it is trusted)."""
     if at not in RESUME_AT:
         raise ValueError(f"resume(at={at!r}): expected one of {', '.join(RESUME_AT)}")
     if at == "latest":
-        return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard)
+        return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class)
     for step in sorted(list_snapshots(run_dir), reverse=True):
         try:
-            rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank, shard=shard)
+            rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank, shard=shard,
+                          optimizer_class=optimizer_class)
         except StepNotAvailableError:
             continue
         if rec.compressor_state_exact:
@@ -39,7 +41,7 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
         log.info("lowdiff: the snapshot at step %d holds no exact compressor memory (a compacted or damaged one); "
                  "trying an older one", step)
     log.warning("lowdiff: %s holds no snapshot with exact compressor memory; resuming at the latest step", run_dir)
-    return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard)
+    return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class)
 
 
 def compressor_state(rec: Recovered, compressor: Compressor, world_size: int,

@@ -199,6 +199,46 @@ def test_custom_optimizer_class_needs_explicit_permission(run_dir: Path) -> None
     assert_state_equal(*ref, lowdiff.recover(run_dir, optimizer_class=MySGD))
 
 
+class ClippedSGD(torch.optim.SGD):
+    """Not one of torch.optim's: SGD whose step also clips the weights (a WGAN critic's), so replay repeats it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.clamp_(-0.05, 0.05)
+        return loss
+
+
+def test_a_run_of_an_optimizer_not_in_torch_optim_resumes_exactly(tmp_path: Path) -> None:
+    """opt.resume() replays with the wrapped optimizer's own class. It used to look the class up among torch.optim's
+    and refuse, telling the user to pass optimizer_class= to recover(), which resume() has no way to do."""
+
+    def run(run_dir: Path, first: int, last: int) -> tuple[int, dict[int, tuple[dict, dict]]]:
+        model = make_model("mlp_bn", 0)
+        inner = ClippedSGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = lowdiff.wrap(inner, model, {"run_dir": str(run_dir), "snapshot": {"every_steps": 4},
+                                          "log": {"batch_steps": 3}})
+        start = opt.resume()
+        assert start == first - 1
+        refs = {}
+        for k in range(first, last + 1):
+            loss_for("mlp_bn", model, k, 0).backward()
+            opt.step()
+            opt.zero_grad()
+            refs[k] = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()))
+        opt.close()
+        return start, refs
+
+    _, full = run(tmp_path / "full", 1, 10)
+    run(tmp_path / "cut", 1, 6)
+    _, resumed = run(tmp_path / "cut", 7, 10)
+    for k in (7, 10):
+        assert_state_equal(*full[k], SimpleNamespace(model=resumed[k][0], optimizer=resumed[k][1]))
+    assert_state_equal(*full[10], lowdiff.recover(tmp_path / "cut", optimizer_class=ClippedSGD))
+
+
 def test_disabled_writes_nothing_and_trains_the_same(tmp_path: Path) -> None:
     scenario = Scenario(compressor="topk", scheduler=False)
     ref = train_run(scenario, tmp_path / "ref", 4)
