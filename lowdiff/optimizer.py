@@ -34,6 +34,7 @@ from lowdiff.lifecycle import (
     wants_layerwise,
 )
 from lowdiff.model_spec import describe, wrapper_chain
+from lowdiff.param_writes import WriteWatch
 from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume
 from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
@@ -112,6 +113,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                               leader=self._leader, per_rank=self._coord.world_size > 1 and self._sharded is None,
                               layerwise=layerwise,
                               copy_thread=config.snapshot.background_copy and self._hook is None)
+        # Writes to parameters between steps, which no replay repeats (lowdiff.param_writes). Not under fully_shard:
+        # its sharded parameters are DTensors, whose own version counter does not follow their local shards.
+        self._writes = WriteWatch(self._spec.params) if config.enabled and self._sharded is None else None
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
@@ -317,6 +321,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             data = {**self._tracker.state(AT_STEP)[0], **self._tracker.state(AT_END)[0]}
             fsdp.rebase(self._stager.snapshot(rec.step, data), self._run_dir, self._coord, self.inner.param_groups,
                         resolve_codec(self.config.log.codec, self.config.compressor.name))
+        if self._writes is not None and rec.step > 0:
+            self._writes.arm(rec.step)  # loading weights after a resume at step 0 is a fresh run's (lowdiff.step_zero)
         log.info("lowdiff: resumed %s at step %d (%s)", run_dir, rec.step, rec.report.summary().splitlines()[0])
         return rec.step
 
@@ -387,6 +393,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         and the gradients); its value is returned."""
         self._check_usable()
         lifecycle.guard_sigint()
+        if self._writes is not None:
+            self._writes.check(self._loop.step + 1)
         if self._step0 is not None:
             self._settle_step0()
         if self._iteration is not None:
@@ -425,6 +433,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.stepped = True
         if ckpt is not None and copies is not None:
             self._hold(self._stager.finish_step(copies, step, groups, data), apply_s)
+        if self._writes is not None:
+            self._writes.arm(step)
         lifecycle.raise_deferred_interrupt()  # a Ctrl-C that came during this step: raised now that it is logged
         return loss if closure is not None else out
 
