@@ -137,3 +137,23 @@ def test_compaction_after_a_rollback_writes_its_snapshot_into_the_current_histor
     assert compact(run, step=13, keep=1).wrote_snapshot
     assert_state_equal(*t.refs[13], lowdiff.recover(run))
     assert verify(run).ok
+
+
+def test_compact_keep_refuses_while_recovery_steps_around_a_file(tmp_path: Path) -> None:
+    """Retention counts snapshots by name: with the discarded history's snapshot 25 put back, `compact --keep 1`
+    kept it as the newest and deleted every file of the current history."""
+    from lowdiff.recovery.compact import compact
+
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 26)
+    snap25 = next((run / "snapshots").glob("*0000000025*"))
+    backup = tmp_path / snap25.name
+    shutil.copy2(snap25, backup)
+    snap25.write_bytes(snap25.read_bytes()[:100])  # damaged: the resume goes back to 20
+    _, t = _resume_at_snapshot_and_train(run, 23, lr_scale=0.5)
+    shutil.copy2(backup, snap25)
+    before = sorted(p.name for p in run.rglob("*.h5"))
+    with pytest.raises(lowdiff.LowDiffError, match="stepped around 1 file"):
+        compact(run, keep=1)
+    assert sorted(p.name for p in run.rglob("*.h5")) == before
+    assert_state_equal(*t.refs[23], lowdiff.recover(run))
