@@ -48,13 +48,14 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
                                f"{step} ({newer[:4]}) would be kept instead of the one this writes, and the log "
                                f"reaching step {step} deleted; keep at least {len(newer) + 1}, or leave --keep out")
         rec = recover(root, step=step, workers=workers)
-        if keep and rec.report.skipped:
-            # Retention goes by file names: a snapshot recovery refused (damaged, of another run, of a discarded
-            # history) would count among those kept, and the files recovery does use would be deleted.
-            raise LowDiffError(f"compact --keep {keep}: recovery stepped around {len(rec.report.skipped)} file(s) of "
-                               f"{root}: {'; '.join(rec.report.skipped)[:600]}. Retention counts snapshots by name and "
-                               "would keep such a file instead of those recovery uses; move them out of the run "
-                               "directory first (lowdiff verify lists them), or compact without --keep")
+        # Retention keeps the newest snapshots by name. Without --step, one newer than the step recovery reached is
+        # one it refused (damaged, of a discarded history): kept, it would make retention delete what recovery uses.
+        beyond = sorted(s for s in list_snapshots(root) if s > rec.step)
+        if keep and len(beyond) >= keep:
+            raise LowDiffError(f"compact --keep {keep}: {len(beyond)} snapshot(s) newer than step {rec.step}, which "
+                               f"recovery could not use ({beyond[:4]}; {'; '.join(rec.report.skipped)[:400]}), would "
+                               "be kept instead of the one this writes, and the files recovery uses deleted; move "
+                               "them out of the run directory first (lowdiff verify lists them), or keep more")
         wrote = False
         # Recovery started from a snapshot at this very step only if one is there intact: a damaged one (stepped
         # around) is written again, else retention would count it as the snapshot to keep and delete the rest.
