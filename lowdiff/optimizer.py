@@ -262,6 +262,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # buffers of step 1's record are found against (a buffer set after wrap() is in that record).
             state.buffers = self._stager.buffer_baseline()
         self._run_dir.write_snapshot(state, resolve_codec(self.config.log.codec, self.config.compressor.name))
+        if before is REWRITE:  # every rank resumed at step 0, so every rank is here
+            self._coord.barrier("snapshot 0 written again")
+            if self._leader:
+                self._run_dir.own_step_zero()
         log.info("lowdiff: %s; snapshot 0 of %s written again with the state the first step starts from",
                  "resumed at step 0" if before is REWRITE else "parameters, optimizer state or groups changed "
                  "between wrap() and the first step", self._run_dir.path)

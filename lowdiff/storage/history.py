@@ -12,7 +12,10 @@ restored backup) is then refused even when it holds no step a file of the curren
 A history is a list of ``(branch id, step)``, oldest first, steps not decreasing. Branch ``None`` (the first
 history) starts at step 0; each branch's span ends where the next one starts: branch k may hold the states of
 steps ``start_k .. start_{k+1}``, the first one shared with the branch before it (the state it resumed from; a
-resume may write that step's snapshot again, as one on another number of ``fully_shard`` ranks does).
+resume may write that step's snapshot again, as one on another number of ``fully_shard`` ranks does). A branch
+that resumed at step 0 and wrote snapshot 0 again with other contents (weights loaded after ``wrap()``) starts at
+``-1`` once that snapshot is written (:func:`own_step_zero`): the state at step 0 is then its own, and the old
+snapshot 0 restored from a backup no longer belongs.
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def resumed(history: History, branch: str, step: int) -> History:
     return [(b, s) for b, s in history if s <= step] + [(branch, step)]
 
 
+def own_step_zero(history: History, branch: str) -> History | None:
+    """``history`` once ``branch`` (resumed at step 0) has written snapshot 0 again: it starts at -1, so the step-0
+    state of every branch before it stops belonging. None: ``branch`` is not the current one resumed at step 0."""
+    if not history or history[-1] != (branch, 0):
+        return None
+    return [(b, -1 if s == 0 else s) for b, s in history]
+
+
 def check(value: Any, where: str) -> History:
     """The manifest's ``history`` as stored (absent: the run was never resumed by a 2.4 writer)."""
     if value is None:
@@ -69,9 +80,9 @@ def check(value: Any, where: str) -> History:
     seen: set[str] = set()
     for item in value:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and BRANCH_RE.match(item[0])
-                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0):
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= -1):
             raise CorruptFileError(f"{where}: invalid history entry {str(item)[:80]} (expected [32 hex digits, "
-                                   "step])")
+                                   "step >= -1])")
         branch, step = item
         if branch in seen or (out and step < out[-1][1]):
             raise CorruptFileError(f"{where}: history entry {str(item)[:80]} repeats a branch or goes back in steps")

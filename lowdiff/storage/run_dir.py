@@ -142,6 +142,18 @@ class RunDir:
             write_manifest(self.path, recorded)
         self.branch = branch
 
+    def own_step_zero(self) -> None:
+        """After a resume at step 0, every rank has written snapshot 0 again under :attr:`branch` (weights loaded
+        after ``wrap()``): record that the state at step 0 is now the branch's own (lowdiff.storage.history), so the
+        old snapshot 0 put back from a backup is refused. One rank, once every rank's file is committed."""
+        if self.branch is None:
+            return
+        recorded = self.read_manifest()
+        owned = history.own_step_zero(recorded.history, self.branch)
+        if owned is not None:
+            recorded.history = owned
+            write_manifest(self.path, recorded)
+
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit the run: written last, after the step-0 snapshot, by one rank."""
         write_manifest(self.path, manifest)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from lowdiff_harness import Scenario, Trainer, assert_state_equal, start, train_run
 
 import lowdiff
@@ -157,3 +158,26 @@ def test_compact_keep_refuses_while_recovery_steps_around_a_file(tmp_path: Path)
         compact(run, keep=1)
     assert sorted(p.name for p in run.rglob("*.h5")) == before
     assert_state_equal(*t.refs[23], lowdiff.recover(run))
+
+
+def test_the_snapshot_0_of_a_run_resumed_at_step_0_restored_from_a_backup_is_refused(tmp_path: Path) -> None:
+    """Nothing was trained; the next process loads other weights after wrap() and resume() returns 0: snapshot 0 is
+    written again at its first step, under its branch. The first snapshot 0, restored from a backup, must not be
+    taken as the base the new branch's log replays on."""
+    run = tmp_path / "run"
+    start(SCENARIO, run).opt.close()  # the run is created, nothing trained
+    snap0 = next((run / "snapshots").glob("*0000000000*"))
+    backup = tmp_path / snap0.name
+    shutil.copy2(snap0, backup)
+    t = start(SCENARIO, run, resume=False)
+    with torch.no_grad():  # "pretrained" weights
+        for p in t.model.parameters():
+            p.add_(1.0)
+    assert t.opt.resume() == 0
+    t.train(1, 7)
+    t.opt.close()
+    assert [s for _, s in read_manifest(run).history] == [-1]
+    shutil.copy2(backup, snap0)
+    with pytest.raises(lowdiff.CorruptFileError, match="first history"):
+        lowdiff.recover(run, step=3)
+    assert not verify(run).ok

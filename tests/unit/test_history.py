@@ -34,8 +34,17 @@ def test_a_resume_discards_the_branches_that_started_after_its_step() -> None:
     assert history.resumed([], C, 0) == [(C, 0)]
 
 
+def test_a_branch_that_wrote_snapshot_0_again_owns_step_0() -> None:
+    h = history.own_step_zero([(A, 0)], A)
+    assert h == [(A, -1)]
+    assert history.span(h, None) == (0, -1)  # holds no state: its snapshot 0 was replaced
+    assert history.span(h, A) == (-1, None)
+    assert history.own_step_zero([(A, 0)], B) is None and history.own_step_zero([(A, 4)], A) is None
+    assert history.resumed(h, B, 0) == [(A, -1), (B, 0)]
+
+
 @pytest.mark.parametrize("bad", [
-    {"x": 1}, [[A]], [[A, -1]], [[A, True]], [[A, 1.5]], [["A" * 32, 1]], [["ab", 1]], [[A, 5], [B, 4]],
+    {"x": 1}, [[A]], [[A, -2]], [[A, True]], [[A, 1.5]], [["A" * 32, 1]], [["ab", 1]], [[A, 5], [B, 4]],
     [[A, 1], [A, 2]], [[1, A]],
 ])
 def test_a_malformed_history_is_refused(bad: object) -> None:
