@@ -162,6 +162,18 @@ def write_manifest(run_dir: Path, manifest: Manifest) -> None:
     write_json_atomic(run_dir / MANIFEST, manifest.to_json())
 
 
+def write_history(run_dir: Path, new: History) -> None:
+    """Record ``new`` as the run's history (a resume), changing nothing else in manifest.json: keys a newer lowdiff
+    wrote are kept, and ``format_minor`` never goes down. Call after :func:`read_manifest` has checked the file,
+    holding the writer lock."""
+    path = run_dir / MANIFEST
+    doc = parse_json(read_bounded(path, MAX_MANIFEST_BYTES, confined=False), str(path))
+    doc.pop("crc32", None)
+    doc["history"] = [list(h) for h in new]
+    doc["format_minor"] = max(FORMAT_MINOR, int(doc.get("format_minor", 0)))
+    write_json_atomic(path, doc | {"crc32": _crc(doc)})
+
+
 def read_manifest(run_dir: Path) -> Manifest:
     path = run_dir / MANIFEST
     if not run_dir.is_dir():

@@ -36,6 +36,7 @@ from lowdiff.storage.manifest import (
     config_changes,
     read_manifest,
     shared_run_id,
+    write_history,
     write_manifest,
 )
 from lowdiff.storage.retention import apply_retention
@@ -137,9 +138,7 @@ class RunDir:
         the manifest (one rank, before any rank writes a file of the branch)."""
         branch = shared_run_id(broadcast_ints, "branch id")
         if commit:
-            recorded = self.read_manifest()
-            recorded.history = history.resumed(recorded.history, branch, step)
-            write_manifest(self.path, recorded)
+            write_history(self.path, history.resumed(self.read_manifest().history, branch, step))
         self.branch = branch
 
     def own_step_zero(self) -> None:
@@ -148,11 +147,9 @@ class RunDir:
         old snapshot 0 put back from a backup is refused. One rank, once every rank's file is committed."""
         if self.branch is None:
             return
-        recorded = self.read_manifest()
-        owned = history.own_step_zero(recorded.history, self.branch)
+        owned = history.own_step_zero(self.read_manifest().history, self.branch)
         if owned is not None:
-            recorded.history = owned
-            write_manifest(self.path, recorded)
+            write_history(self.path, owned)
 
     def commit_manifest(self, manifest: Manifest) -> None:
         """Commit the run: written last, after the step-0 snapshot, by one rank."""

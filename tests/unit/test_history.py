@@ -83,3 +83,26 @@ def test_a_file_belongs_only_inside_its_branch(branch: str | None, states: tuple
             check_belongs(meta, "0" * 32, Path("f.h5"), h, states)
     with pytest.raises(CorruptFileError, match="branch"):
         check_belongs(meta | {"branch": "nothex"}, "0" * 32, Path("f.h5"), h, states)
+
+
+def test_a_resume_rewrites_the_history_alone(tmp_path: Path) -> None:
+    """A manifest a newer lowdiff wrote keeps what this one does not know, and its format_minor."""
+    import json
+    import zlib
+
+    from lowdiff.storage.manifest import write_history
+
+    def _crc(body: dict) -> int:  # FORMAT.md section 2
+        return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+    write_manifest(tmp_path, _manifest([]))
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    doc.pop("crc32")
+    doc |= {"format_minor": 9, "from_the_future": {"x": [1, 2]}}
+    (tmp_path / "manifest.json").write_text(json.dumps(doc | {"crc32": _crc(doc)}))
+    write_history(tmp_path, [(A, 5)])
+    after = json.loads((tmp_path / "manifest.json").read_text())
+    assert after.pop("history") == [[A, 5]]
+    after.pop("crc32")
+    assert after == doc
+    assert read_manifest(tmp_path).history == [(A, 5)]
