@@ -181,3 +181,25 @@ def test_the_snapshot_0_of_a_run_resumed_at_step_0_restored_from_a_backup_is_ref
     with pytest.raises(lowdiff.CorruptFileError, match="first history"):
         lowdiff.recover(run, step=3)
     assert not verify(run).ok
+
+
+def test_two_segments_of_one_branch_holding_a_step_end_the_chain_before_it(tmp_path: Path) -> None:
+    """Files of one branch never share a step, unless written before format 2.4 (no branch at all) or forged: here
+    the segment of steps 3-4 of a twin run (same seed, other batch size, its run id rewritten) beside this run's 1-3
+    and 4-6, all of the first history. Recovery must not replay a step twice nor choose: it stops before step 3 and
+    names the pair; verify reports it."""
+    from forge import rewrite
+
+    scenario = replace(SCENARIO, every_steps=100)
+    run, twin = tmp_path / "run", tmp_path / "twin"
+    ref = train_run(scenario, run, 6)  # segments 1-3, 4-6
+    train_run(replace(scenario, batch_steps=2), twin, 6)  # 1-2, 3-4, 5-6
+    run_id = read_manifest(run).run_id
+    name = "steps-0000000003-0000000004.h5"
+    shutil.copy2(twin / "log" / name, run / "log" / name)
+    rewrite(run / "log" / name, lambda f: f.meta.__setitem__("run_id", run_id))
+    rec = lowdiff.recover(run)
+    assert rec.step == 2
+    assert_state_equal(*ref.refs[2], rec)
+    assert any("held by two segments" in s for s in rec.report.skipped), rec.report.skipped
+    assert any("held by two segments" in p for p in verify(run).problems)
