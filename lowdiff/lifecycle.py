@@ -210,6 +210,17 @@ def init_hook_dicts(opt: torch.optim.Optimizer) -> None:
         setattr(opt, attr, OrderedDict())
 
 
+def refuse_wrapper(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer that wraps another one (accelerate's ``AcceleratedOptimizer``, ...) cannot be rebuilt by replay
+    from its class and defaults: lowdiff must wrap the optimizer itself, before any such wrapper."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        raise UnsupportedError(f"{type(optimizer).__name__} wraps another optimizer ({type(inner).__name__}); recovery "
+                               "rebuilds the optimizer from its class, so wrap that one: lowdiff.wrap(inner, model, "
+                               "config) first, then hand lowdiff's optimizer to the wrapper (accelerate's prepare() "
+                               "takes it)")
+
+
 def refuse_reevaluating(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer whose ``step()`` requires a closure evaluates the loss several times inside one step (LBFGS's
     line search): no single gradient per step exists to log, so it cannot be replayed."""

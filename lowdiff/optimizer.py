@@ -28,6 +28,7 @@ from lowdiff.lifecycle import (
     init_hook_dicts,
     record_bytes_bound,
     refuse_reevaluating,
+    refuse_wrapper,
     release,
     same_state,
     same_tensor,
@@ -35,7 +36,7 @@ from lowdiff.lifecycle import (
 )
 from lowdiff.model_spec import describe, wrapper_chain
 from lowdiff.param_writes import WriteWatch
-from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume
+from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume, replay_class
 from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
 from lowdiff.staging import HostCopier
@@ -72,6 +73,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         init_hook_dicts(self)  # not Optimizer.__init__: param_groups, state and defaults are the inner optimizer's
         if isinstance(optimizer, LowDiffOptimizer):
             raise LowDiffError("this optimizer is already wrapped by lowdiff")
+        refuse_wrapper(optimizer)
         refuse_reevaluating(optimizer)
         self.inner = optimizer
         chain = wrapper_chain(model)
@@ -265,6 +267,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if before is REWRITE:  # every rank resumed at step 0, so every rank is here
             self._coord.barrier("snapshot 0 written again")
             if self._leader:
+                # Written by another number of ranks, the old snapshot 0 is a set of its own, which recovery would
+                # list first (fewer files) and then refuse (the branch owns step 0 from here): moved aside.
+                self._run_dir.quarantine_snapshot_sets(0, keep_count=self._coord.world_size)
                 self._run_dir.own_step_zero()
         log.info("lowdiff: %s; snapshot 0 of %s written again with the state the first step starts from",
                  "resumed at step 0" if before is REWRITE else "parameters, optimizer state or groups changed "
@@ -288,7 +293,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         rec = recover_for_resume(run_dir, at, device=device, workers=1 if world > 1 else None,
                                  rank=self._coord.rank if world > 1 else None,
                                  shard=(self._coord.rank, world) if self._sharded is not None else None,
-                                 optimizer_class=type(self.inner))
+                                 optimizer_class=replay_class(self.inner))
         if rec.step == 0:
             # Nothing was trained: the live state is where the run was, pretrained weights loaded after wrap()
             # included, which snapshot 0 may predate; it is written again at the first step (lowdiff.step_zero).

@@ -37,8 +37,8 @@ class WriteWatch:
         self._names = list(named)
         self._params = list(named.values())
         self._sentinels = [0, len(self._params) - 1] if len(self._params) > 2 else list(range(len(self._params)))
-        self._seen: tuple[list[int], list[int]] | None = None
-        """(indices of the parameters armed, their versions)."""
+        self._seen: tuple[int, list[int], list[int]] | None = None
+        """(the step armed at, indices of the parameters armed, their versions)."""
         self.reported = False
 
     def arm(self, step: int) -> None:
@@ -47,17 +47,18 @@ class WriteWatch:
         if self.reported:
             return
         if (step + 1) % FULL_EVERY == 0:
-            self._seen = list(range(len(self._params))), list(map(_version, self._params))
+            self._seen = step, list(range(len(self._params))), list(map(_version, self._params))
         else:
-            self._seen = self._sentinels, [self._params[i]._version for i in self._sentinels]
+            self._seen = step, self._sentinels, [self._params[i]._version for i in self._sentinels]
 
     def check(self, step: int) -> list[str]:
-        """At the start of ``opt.step()`` for ``step``: the armed parameters written since :meth:`arm`, reported
-        once (a warning naming them); [] when none was, or nothing was armed (an interrupted step, the first)."""
+        """At the start of ``opt.step()`` for ``step``: the armed parameters written since :meth:`arm` (at the last
+        step: iterations a GradScaler skipped lie between), reported once (a warning naming them); [] when none was,
+        or nothing was armed (an interrupted step, the first)."""
         seen, self._seen = self._seen, None
         if seen is None or self.reported:
             return []
-        indices, before = seen
+        armed, indices, before = seen
         now = list(map(_version, self._params)) if len(indices) == len(self._params) else \
             [self._params[i]._version for i in indices]
         if now == before:
@@ -70,5 +71,5 @@ class WriteWatch:
                     "this change (nor later ones like it). Make such changes inside the optimizer's step() (a "
                     "subclass that applies them after the update, replayed too: pass optimizer_class= to "
                     "lowdiff.recover()), or see 'Changes outside opt.step()' in docs/guide/exact-resume.md. Reported "
-                    "once per run", shown, step - 1, step, step - 1)
+                    "once per run", shown, armed, step, armed)
         return changed

@@ -13,6 +13,7 @@ import torch
 from lowdiff.compressors import Compressor
 from lowdiff.errors import StepNotAvailableError
 from lowdiff.recovery import Recovered, recover
+from lowdiff.recovery.optimizers import allowed_optimizers
 from lowdiff.storage.format import list_snapshots
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
                  "trying an older one", step)
     log.warning("lowdiff: %s holds no snapshot with exact compressor memory; resuming at the latest step", run_dir)
     return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class)
+
+
+def replay_class(optimizer: torch.optim.Optimizer) -> type | None:
+    """The class recovery replays a resumed run with: the wrapped optimizer's own when it is not one of
+    torch.optim's (the trainer built it, so it is trusted; its name was checked against the manifest's by
+    ``wrap()``); None for torch.optim's, which recovery resolves and checks against the manifest itself."""
+    cls = type(optimizer)
+    return None if f"{cls.__module__}.{cls.__qualname__}" in allowed_optimizers() else cls
 
 
 def compressor_state(rec: Recovered, compressor: Compressor, world_size: int,

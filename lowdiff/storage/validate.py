@@ -144,8 +144,14 @@ def decoded_defaults(defaults: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for key, enc in defaults.items():
         value = _decode(enc, where)
-        # The bounded keys are numbers (betas: a pair) in every torch.optim optimizer that has them.
-        reference = ((0.0, 0.0) if key == "betas" else 0.0) if key in _RANGES else value
+        # The bounded keys are numbers (betas: a pair) in torch.optim's optimizers, but for Adafactor's eps: a pair
+        # whose first element may be None (a range applies to the numbers).
+        if key == "betas":
+            reference: Any = (0.0, 0.0)
+        elif key in _RANGES:
+            reference = tuple(None if v is None else 0.0 for v in value) if isinstance(value, tuple) else 0.0
+        else:
+            reference = value
         _check_value(key, reference, value, where)
         out[key] = value
     return out

@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true", help="snapshot.every_steps and log.batch_steps auto")
     ap.add_argument("--probe", action="store_true", help="with --auto: a busy writer, so the tuner probes")
     ap.add_argument("--persistence", default="thread", help="log.persistence: thread or process")
+    ap.add_argument("--load-after-wrap", action="store_true",
+                    help="after a resume at step 0, set every parameter to 0.1 (weights loaded after wrap())")
     ap.add_argument("--compiled", action="store_true", help="torch.compile(DDP(model)) (eager backend) to lowdiff")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
@@ -75,6 +77,10 @@ def main() -> None:
         intercept_writes(before_commit=lambda path: time.sleep(0.005)).__enter__()
     opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume(at=args.resume_at) if args.resume else 0
+    if args.load_after_wrap and start == 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.1)
     refs = []
     losses = []
     if rank == 0:

@@ -285,3 +285,18 @@ def test_auto_probe_is_broadcast(tmp_path: Path) -> None:
     refs = {s: (m, o) for s, m, o in torch.load(tmp_path / "ref.pt", weights_only=False)}
     for step in (start + 12, end, steps):
         assert_matches(lowdiff.recover(run, step=step), *refs[step])
+
+
+def test_a_run_resumed_at_step_0_on_more_ranks_recovers_what_they_trained(tmp_path: Path) -> None:
+    """A run made by one process that took no step, resumed on 2 ranks that load weights after wrap(): their first
+    step writes snapshot 0 again as 2 shards, owned by the resume's branch. The 1-file snapshot 0 is moved aside
+    (recovery listed it first and then refused it, or before branches replayed the new log on it)."""
+    run = tmp_path / "run"
+    torchrun(1, str(run), "none", "0", str(tmp_path / "r0.pt"))
+    torchrun(2, str(run), "none", "6", str(tmp_path / "r1.pt"), "--resume", "--load-after-wrap")
+    refs = torch.load(tmp_path / "r1.pt", weights_only=False)
+    assert [s for s, _, _ in refs] == list(range(1, 7))
+    assert [s for _, s in read_manifest(run).history] == [-1]
+    for step, model_sd, optim_sd in refs[::5]:
+        assert_matches(lowdiff.recover(run, step=step), model_sd, optim_sd)
+    assert list((run / "quarantine").iterdir())
