@@ -26,7 +26,7 @@ from typing import Any
 from lowdiff.errors import CorruptFileError
 
 History = list[tuple[str, int]]
-BRANCH_RE = re.compile(r"^[0-9a-f]{32}$")
+ID_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_BRANCHES = 1 << 20
 """A run resumed more often than this has a damaged manifest (each resume adds one entry of ~50 bytes)."""
 
@@ -79,7 +79,7 @@ def check(value: Any, where: str) -> History:
     out: History = []
     seen: set[str] = set()
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and BRANCH_RE.match(item[0])
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and ID_RE.match(item[0])
                 and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= -1):
             raise CorruptFileError(f"{where}: invalid history entry {str(item)[:80]} (expected [32 hex digits, "
                                    "step >= -1])")
@@ -91,10 +91,10 @@ def check(value: Any, where: str) -> History:
     return out
 
 
-def check_branch(value: Any, where: str) -> str | None:
-    """A file's ``branch`` as stored (absent: the run's first history)."""
+def check_id(value: Any, where: str, what: str) -> str | None:
+    """A 128-bit id as stored (the run's, a branch's): 32 lowercase hexadecimal digits; None when absent."""
     if value is None:
         return None
-    if not isinstance(value, str) or not BRANCH_RE.match(value):
-        raise CorruptFileError(f"{where}: invalid branch {str(value)[:40]!r} (expected 32 hex digits)")
+    if not isinstance(value, str) or not ID_RE.match(value):
+        raise CorruptFileError(f"{where}: invalid {what} {str(value)[:40]!r} (expected 32 hex digits)")
     return value

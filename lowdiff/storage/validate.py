@@ -9,7 +9,6 @@ that says where (``where``: the file, and the step or entry) and what is wrong.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ import torch
 
 from lowdiff.errors import CorruptFileError, ForeignFileError
 from lowdiff.storage.format import decode_value
-from lowdiff.storage.history import History, check_branch, span
-
-RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+from lowdiff.storage.history import History, check_id, span
 
 # Hyperparameters torch.optim's own constructors bound (they raise "Invalid ... value" outside these ranges).
 _RANGES: dict[str, tuple[float, float]] = {
@@ -30,12 +27,8 @@ _RANGES: dict[str, tuple[float, float]] = {
 
 
 def check_run_id(value: Any, where: str) -> str | None:
-    """A run id as stored (32 lowercase hex digits), or None (a run written before run ids existed)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not RUN_ID_RE.match(value):
-        raise CorruptFileError(f"{where}: invalid run id {str(value)[:40]!r} (expected 32 hex digits)")
-    return value
+    """A run id as stored, or None (a run written before run ids existed)."""
+    return check_id(value, where, "run id")
 
 
 def check_belongs(meta: dict[str, Any], run_id: str | None, path: Path, history: History | None = None,
@@ -55,7 +48,7 @@ def check_belongs(meta: dict[str, Any], run_id: str | None, path: Path, history:
         raise ForeignFileError(f"{path}: {what}; it was copied or linked in from elsewhere (remove it)", path=path)
     if history is None or states is None:
         return
-    branch = check_branch(meta.get("branch"), str(path))
+    branch = check_id(meta.get("branch"), str(path), "branch")
     steps = span(history, branch)
     name = "the run's first history" if branch is None else f"branch {branch}"
     if steps is None:
