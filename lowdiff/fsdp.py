@@ -22,7 +22,7 @@ from lowdiff.errors import UnsupportedError
 from lowdiff.model_spec import ModelSpec
 from lowdiff.recovery.optimizers import ELEMENTWISE_OPTIMIZERS
 from lowdiff.storage import layout
-from lowdiff.storage.manifest import Manifest
+from lowdiff.storage.manifest import Manifest, update_manifest
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def adopt(run_dir: Any, spec: ModelSpec, coord: Any, sharded: Sharded | None, le
     counts = {len(f.paths) for f in list_snapshots(run_dir.path).values()}
     new = adopt_layout(run_dir.read_manifest(), spec.manifest, coord.world_size, sharded is not None, counts)
     if new is not None and leader:
-        run_dir.commit_manifest(new)
+        update_manifest(run_dir.path, sharding=new.sharding)
     coord.barrier("sharded layout")
 
 

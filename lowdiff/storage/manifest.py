@@ -162,16 +162,21 @@ def write_manifest(run_dir: Path, manifest: Manifest) -> None:
     write_json_atomic(run_dir / MANIFEST, manifest.to_json())
 
 
-def write_history(run_dir: Path, new: History) -> None:
-    """Record ``new`` as the run's history (a resume), changing nothing else in manifest.json: keys a newer lowdiff
-    wrote are kept, and ``format_minor`` never goes down. Call after :func:`read_manifest` has checked the file,
-    holding the writer lock."""
+def update_manifest(run_dir: Path, **fields: Any) -> None:
+    """Set ``fields`` (JSON values) in the committed manifest.json of a resumed run, changing nothing else: keys a
+    newer lowdiff wrote are kept, and ``format_minor`` never goes down. Call after :func:`read_manifest` has checked
+    the file, holding the writer lock."""
     path = run_dir / MANIFEST
     doc = parse_json(read_bounded(path, MAX_MANIFEST_BYTES, confined=False), str(path))
     doc.pop("crc32", None)
-    doc["history"] = [list(h) for h in new]
+    doc |= fields
     doc["format_minor"] = max(FORMAT_MINOR, int(doc.get("format_minor", 0)))
     write_json_atomic(path, doc | {"crc32": _crc(doc)})
+
+
+def write_history(run_dir: Path, new: History) -> None:
+    """Record ``new`` as the run's history (a resume; lowdiff.storage.history)."""
+    update_manifest(run_dir, history=[list(h) for h in new])
 
 
 def read_manifest(run_dir: Path) -> Manifest:
