@@ -6,6 +6,7 @@ Errors a user can act on print one line and exit non-zero, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -17,9 +18,31 @@ from lowdiff.errors import LowDiffError
 from lowdiff.recovery.api import recover
 from lowdiff.recovery.run_info import inspect
 
+OPTIMIZER_CLASS_HELP = ("MODULE:CLASS of the run's optimizer when it is not one of torch.optim's (imported because "
+                        "you name it here; nothing named in a run directory is imported)")
+
+
+def _optimizer_class(spec: str | None) -> type | None:
+    """The class ``--optimizer-class MODULE:CLASS`` names, imported (the user asks for it: it is trusted)."""
+    if spec is None:
+        return None
+    module, sep, qualname = spec.partition(":")
+    if not sep or not module or not qualname:
+        raise LowDiffError(f"--optimizer-class {spec!r}: expected MODULE:CLASS, e.g. mypkg.optim:Lion")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise LowDiffError(f"--optimizer-class {spec}: cannot import it ({e}); is its package on PYTHONPATH?") from e
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise LowDiffError(f"--optimizer-class {spec} is not a torch.optim.Optimizer subclass")
+    return obj
+
 
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run directory (holds manifest.json)")
+    p.add_argument("--optimizer-class", default=None, metavar="MODULE:CLASS", help=OPTIMIZER_CLASS_HELP)
     p.add_argument("--step", type=int, default=None, help="step to rebuild (default: latest durable)")
     p.add_argument("--workers", type=int, default=None, help="replay worker processes (default: automatic)")
     p.add_argument("--output", default=None, help="write {step, model, optimizer} here (torch.save, plain tensors)")
@@ -59,7 +82,8 @@ def _cmd_recover(args: argparse.Namespace) -> int:
         bar = tqdm(desc="replaying", unit="step", file=sys.stderr)
         progress = bar.update
     try:
-        rec = recover(args.run_dir, step=args.step, workers=args.workers, progress=progress)
+        rec = recover(args.run_dir, step=args.step, workers=args.workers, progress=progress,
+                      optimizer_class=_optimizer_class(args.optimizer_class))
     finally:
         if bar is not None:
             bar.close()
@@ -82,7 +106,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     """Every check recovery makes, on every file, plus decoding every payload; exit 0 only if all is well."""
     from lowdiff.recovery.verify import verify
 
-    report = verify(args.run_dir)
+    report = verify(args.run_dir, optimizer_class=_optimizer_class(args.optimizer_class))
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -90,7 +114,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_compact(args: argparse.Namespace) -> int:
     from lowdiff.recovery.compact import compact
 
-    res = compact(args.run_dir, step=args.step, keep=args.keep, workers=args.workers)
+    res = compact(args.run_dir, step=args.step, keep=args.keep, workers=args.workers,
+                  optimizer_class=_optimizer_class(args.optimizer_class))
     what = "wrote a snapshot" if res.wrote_snapshot else "a snapshot already existed"
     print(f"compacted {args.run_dir} at step {res.step}: {what}; removed {len(res.removed)} file(s)")
     for p in res.removed:
@@ -122,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     _add_recover_args(sub.add_parser("recover", help="rebuild a step (same as lowdiff-recover)"))
     sub.add_parser("inspect", help="summarize snapshots, log and model").add_argument("run_dir")
-    sub.add_parser("verify", help="check every file as recovery would and decode every payload; exit 1 if "
-                   "recovery would skip or refuse anything").add_argument("run_dir")
+    vp = sub.add_parser("verify", help="check every file as recovery would and decode every payload; exit 1 if "
+                        "recovery would skip or refuse anything")
+    vp.add_argument("run_dir")
+    vp.add_argument("--optimizer-class", default=None, metavar="MODULE:CLASS", help=OPTIMIZER_CLASS_HELP)
     cp = sub.add_parser("compact", help="fold the log up to a step into a new full snapshot; apply retention")
     cp.add_argument("run_dir")
     cp.add_argument("--step", type=int, default=None, help="step to snapshot (default: latest durable)")
     cp.add_argument("--keep", type=int, default=None, help="then keep only the newest N snapshots (and their log)")
     cp.add_argument("--workers", type=int, default=None, help="replay worker processes")
+    cp.add_argument("--optimizer-class", default=None, metavar="MODULE:CLASS", help=OPTIMIZER_CLASS_HELP)
     args = p.parse_args(argv)
     fn = {"recover": _cmd_recover, "inspect": _cmd_inspect, "verify": _cmd_verify,
           "compact": _cmd_compact}[args.command]

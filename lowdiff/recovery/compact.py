@@ -28,7 +28,7 @@ class CompactResult:
 
 
 def compact(run_dir: str | Path, step: int | None = None, keep: int | None = None, codec: str | None = None,
-            workers: int | None = None) -> CompactResult:
+            workers: int | None = None, optimizer_class: type | None = None) -> CompactResult:
     """Write a full snapshot at ``step`` (default: latest durable) rebuilt from the log; then, if ``keep`` is
     given, delete all but the newest ``keep`` snapshots and every segment no remaining snapshot needs.
 
@@ -47,7 +47,7 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
             raise LowDiffError(f"compact --step {step} --keep {keep}: {len(newer)} snapshot(s) newer than step "
                                f"{step} ({newer[:4]}) would be kept instead of the one this writes, and the log "
                                f"reaching step {step} deleted; keep at least {len(newer) + 1}, or leave --keep out")
-        rec = recover(root, step=step, workers=workers)
+        rec = recover(root, step=step, workers=workers, optimizer_class=optimizer_class)
         # Retention keeps the newest snapshots by name. Without --step, one newer than the step recovery reached is
         # one it refused (damaged, of a discarded history): kept, it would make retention delete what recovery uses.
         beyond = sorted(s for s in list_snapshots(root) if s > rec.step)

@@ -58,7 +58,8 @@ def resolve_optimizer_class(path: str, allowed: type | None = None, where: str =
     if cls is None:
         raise UnsupportedError(f"{where}: the run used optimizer {path[:200]}, which is not one of torch.optim's "
                                "optimizers; lowdiff imports nothing else named in a run directory. Pass "
-                               "optimizer_class=<the class> to recover() to allow it")
+                               "optimizer_class=<the class> to recover() (or verify(), compact()) to allow it, or "
+                               "--optimizer-class MODULE:CLASS to lowdiff-recover and lowdiff verify / compact")
     return cls
 
 

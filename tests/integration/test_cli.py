@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lowdiff_harness import Scenario, assert_state_equal, train_run
+from lowdiff_harness import Scenario, assert_state_equal, loss_for, make_model, train_run
 
 import lowdiff
 from lowdiff.recovery import cli
@@ -132,3 +134,47 @@ def test_recover_refuses_bad_arguments_before_any_work(tmp_path: Path, capsys, a
         assert main([str(tmp_path), *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and message in err, err
+
+
+def test_a_run_of_an_optimizer_outside_torch_optim_needs_and_takes_optimizer_class(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """recover(), verify() and compact() take optimizer_class=; the commands had no way to pass it, so such a run
+    could not be recovered, verified or compacted from the command line."""
+    (tmp_path / "my_optim.py").write_text("import torch\n\n\nclass MySGD(torch.optim.SGD):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_optim
+
+    root = tmp_path / "run"
+    model = make_model("mlp_bn", 0)
+    inner = my_optim.MySGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(root), "snapshot": {"every_steps": 3},
+                                      "log": {"batch_steps": 2}})
+    opt.resume()
+    for k in range(1, 6):
+        loss_for("mlp_bn", model, k, 0).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    ref = (copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import main; "
+                               "sys.exit(main(sys.argv[1:]))", *args], capture_output=True, text=True, timeout=120,
+                              env=env)
+
+    p = cli("recover", str(root))
+    assert p.returncode == 2 and "--optimizer-class MODULE:CLASS" in p.stderr, p.stderr
+    out = tmp_path / "state.pt"
+    p = cli("recover", str(root), "--optimizer-class", "my_optim:MySGD", "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == 5
+    for k, v in ref[0].items():
+        assert torch.equal(v, saved["model"][k]), k
+    assert cli("verify", str(root), "--optimizer-class", "my_optim:MySGD").returncode == 0
+    p = cli("compact", str(root), "--keep", "1", "--optimizer-class", "my_optim:MySGD")
+    assert p.returncode == 0, p.stderr
+    assert_state_equal(*ref, lowdiff.recover(root, optimizer_class=my_optim.MySGD))
+    p = cli("recover", str(root), "--optimizer-class", "my_optim:Nope")
+    assert p.returncode == 2 and "cannot import it" in p.stderr
