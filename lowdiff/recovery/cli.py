@@ -19,7 +19,8 @@ from lowdiff.recovery.api import recover
 from lowdiff.recovery.run_info import inspect
 
 OPTIMIZER_CLASS_HELP = ("MODULE:CLASS of the run's optimizer when it is not one of torch.optim's (imported because "
-                        "you name it here; nothing named in a run directory is imported)")
+                        "you name it here; nothing named in a run directory is imported). A class the training "
+                        "script itself defined is recorded as __main__.CLASS: name a module defining CLASS")
 
 
 def _optimizer_class(spec: str | None) -> type | None:
@@ -33,8 +34,9 @@ def _optimizer_class(spec: str | None) -> type | None:
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise LowDiffError(f"--optimizer-class {spec}: cannot import it ({e}); is its package on PYTHONPATH?") from e
+    except Exception as e:  # anything importing it raised: a one-line error, never a traceback
+        raise LowDiffError(f"--optimizer-class {spec}: cannot import it ({type(e).__name__}: {e}); is its package on "
+                           "PYTHONPATH?") from e
     if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
         raise LowDiffError(f"--optimizer-class {spec} is not a torch.optim.Optimizer subclass")
     return obj

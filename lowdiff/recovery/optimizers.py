@@ -50,7 +50,9 @@ def resolve_optimizer_class(path: str, allowed: type | None = None, where: str =
     """The optimizer class named in a manifest: one of torch.optim's, or ``allowed`` (the class itself, passed by
     the caller) when the run used another one."""
     if allowed is not None:
-        if f"{allowed.__module__}.{allowed.__qualname__}" != path:
+        # A class defined in the training script is recorded as __main__.NAME, which no other program can import
+        # under that name: the caller's class of that name stands for it.
+        if f"{allowed.__module__}.{allowed.__qualname__}" != path and path != f"__main__.{allowed.__qualname__}":
             raise UnsupportedError(f"{where}: the run used optimizer {path}, not "
                                    f"{allowed.__module__}.{allowed.__qualname__}")
         return allowed

@@ -137,12 +137,15 @@ def decoded_defaults(defaults: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for key, enc in defaults.items():
         value = _decode(enc, where)
-        # The bounded keys are numbers (betas: a pair) in torch.optim's optimizers, but for Adafactor's eps: a pair
-        # whose first element may be None (a range applies to the numbers).
+        # The bounded keys are numbers (betas: a pair) in torch.optim's optimizers. Adafactor's eps is a pair whose
+        # first element may be None, and transformers' Adafactor has lr None (relative steps): the range applies to
+        # the numbers.
         if key == "betas":
             reference: Any = (0.0, 0.0)
+        elif key == "eps" and isinstance(value, tuple) and len(value) == 2:
+            reference = tuple(None if v is None else 0.0 for v in value)
         elif key in _RANGES:
-            reference = tuple(None if v is None else 0.0 for v in value) if isinstance(value, tuple) else 0.0
+            reference = None if value is None else 0.0
         else:
             reference = value
         _check_value(key, reference, value, where)

@@ -178,3 +178,33 @@ def test_a_run_of_an_optimizer_outside_torch_optim_needs_and_takes_optimizer_cla
     assert_state_equal(*ref, lowdiff.recover(root, optimizer_class=my_optim.MySGD))
     p = cli("recover", str(root), "--optimizer-class", "my_optim:Nope")
     assert p.returncode == 2 and "cannot import it" in p.stderr
+
+
+def test_a_class_the_training_script_defined_is_named_by_a_module_defining_it(tmp_path: Path) -> None:
+    """A class defined in the script run as `python train.py` is recorded as __main__.MySGD, a name no other program
+    can import: --optimizer-class (and optimizer_class=) accept a class of the same name from any module."""
+    cls = "import torch\n\n\nclass MySGD(torch.optim.SGD):\n    pass\n"
+    (tmp_path / "my_optim.py").write_text(cls)
+    (tmp_path / "train.py").write_text(cls + """
+import sys
+import lowdiff
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = lowdiff.wrap(MySGD(model.parameters(), lr=0.1), model, {"run_dir": sys.argv[1]})
+opt.resume()
+for _ in range(4):
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+opt.close()
+""")
+    root = tmp_path / "run"
+    p = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(root)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import recover_main; "
+                        "sys.exit(recover_main(sys.argv[1:]))", str(root), "--optimizer-class", "my_optim:MySGD"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "step 4" in p.stdout, p.stdout
