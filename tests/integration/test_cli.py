@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import os
 import shutil
@@ -142,7 +143,7 @@ def test_a_run_of_an_optimizer_outside_torch_optim_needs_and_takes_optimizer_cla
     could not be recovered, verified or compacted from the command line."""
     (tmp_path / "my_optim.py").write_text("import torch\n\n\nclass MySGD(torch.optim.SGD):\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import my_optim
+    my_optim = importlib.import_module("my_optim")  # written just above
 
     root = tmp_path / "run"
     model = make_model("mlp_bn", 0)
