@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import Compressor
-from lowdiff.errors import StepNotAvailableError
+from lowdiff.errors import CorruptFileError, StepNotAvailableError
 from lowdiff.recovery import Recovered, recover
 from lowdiff.recovery.optimizers import allowed_optimizers
-from lowdiff.storage.format import list_snapshots
+from lowdiff.storage.format import MANIFEST, list_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,13 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
             rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank, shard=shard,
                           optimizer_class=optimizer_class)
         except StepNotAvailableError:
+            continue
+        except CorruptFileError as e:
+            # Nothing reaches this snapshot's step: it is damaged and no log leads to it, or it belongs to a
+            # history a resume discarded (restored from a backup, FORMAT.md section 2). An older one may serve.
+            if e.path is not None and Path(e.path).name == MANIFEST:
+                raise
+            log.info("lowdiff: no state at the snapshot step %d can be used (%s); trying an older one", step, e)
             continue
         if rec.compressor_state_exact:
             return rec

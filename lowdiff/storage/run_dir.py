@@ -194,7 +194,7 @@ class RunDir:
         qdir.mkdir(exist_ok=True)
         out = []
         for p in moved:
-            target = qdir / f"{p.parent.name}-{p.name}"
+            target = _unused(qdir, f"{p.parent.name}-{p.name}")
             shutil.move(str(p), target)
             out.append(target)
             log.warning("lowdiff: moved %s to %s (%s)", p, target, why)
@@ -221,3 +221,14 @@ class RunDir:
             write_json_atomic(path, {"decisions": decisions})
         except OSError as e:
             log.warning("lowdiff: could not record the tuner's decision in %s: %s", path, e)
+
+
+def _unused(directory: Path, name: str) -> Path:
+    """``directory / name``, or with ``.1``, ``.2``, ... before the suffix where that exists: a later rollback over the
+    same steps must not replace the copy an earlier one moved aside (lowdiff never deletes what it quarantines)."""
+    target = directory / name
+    n = 0
+    while target.exists():
+        n += 1
+        target = directory / f"{Path(name).stem}.{n}{Path(name).suffix}"
+    return target

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,14 +87,12 @@ def test_a_segment_of_a_discarded_history_that_no_step_collides_with_is_refused(
     assert any("steps-0000000022-0000000024" in p for p in report.problems), report.problems
 
 
-def test_a_snapshot_of_a_discarded_history_restored_from_a_backup_is_refused(tmp_path: Path) -> None:
+def _restore_a_discarded_snapshot(run: Path) -> tuple[Trainer, Trainer, Path]:
     """Snapshot 25 was damaged, so the resume went back to snapshot 20 and moved it aside; the rollback then trains
-    to step 23 only. The intact copy of snapshot 25 restored from a backup is newer than anything of the new
-    history: recovery would start from it and return the old history's state."""
-    run = tmp_path / "run"
-    train_run(SCENARIO, run, 26)
+    to step 23 only; the intact copy of snapshot 25 is then restored from a backup. The first run and the rollback."""
+    ref = train_run(SCENARIO, run, 26)
     snap25 = next((run / "snapshots").glob("*0000000025*"))
-    backup = tmp_path / snap25.name
+    backup = run.parent / snap25.name
     shutil.copy2(snap25, backup)
     with open(snap25, "r+b") as f:  # damaged: its checksum fails
         f.seek(snap25.stat().st_size // 2)
@@ -101,10 +100,46 @@ def test_a_snapshot_of_a_discarded_history_restored_from_a_backup_is_refused(tmp
     k, t = _resume_at_snapshot_and_train(run, 23, lr_scale=0.5)
     assert k == 20
     shutil.copy2(backup, snap25)
+    return ref, t, snap25
+
+
+def test_a_snapshot_of_a_discarded_history_restored_from_a_backup_is_refused(tmp_path: Path) -> None:
+    """The restored snapshot 25 is newer than anything of the new history: recovery would start from it and return
+    the old history's state."""
+    run = tmp_path / "run"
+    _, t, snap25 = _restore_a_discarded_snapshot(run)
     rec = lowdiff.recover(run)
     assert rec.step == 23
     assert_state_equal(*t.refs[23], rec)
     assert any(snap25.name in s and "left at step 20" in s for s in rec.report.skipped), rec.report.skipped
+
+
+def test_a_resume_at_a_snapshot_steps_around_a_restored_snapshot_of_a_discarded_history(tmp_path: Path) -> None:
+    """resume(at="snapshot") tries the newest snapshot first: the restored snapshot 25, which nothing of the current
+    history reaches, must make it try an older one, not fail the resume (it raised CorruptFileError)."""
+    run = tmp_path / "run"
+    ref, _, snap25 = _restore_a_discarded_snapshot(run)
+    again = start(SCENARIO, run, resume=False)
+    try:
+        assert again.opt.resume(at="snapshot") == 20
+        again.record(20)
+        model, optimizer = again.refs[20]
+        assert_state_equal(*ref.ends[20], SimpleNamespace(model=model, optimizer=optimizer))
+    finally:
+        again.opt.close()
+    assert not snap25.exists()  # moved aside again, beyond the resumed step
+
+
+def test_rollbacks_over_the_same_steps_keep_every_file_they_move_aside(tmp_path: Path) -> None:
+    """Three rollbacks to snapshot 10, each training 11-13: the second and third move a segment of the same name
+    to quarantine/; neither may replace the copy moved there before (lowdiff never deletes what it moves aside)."""
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 13)
+    for lr_scale in (0.5, 0.25, 0.125):
+        assert _resume_at_snapshot_and_train(run, 13, lr_scale)[0] == 10
+    moved = sorted(p.name for p in (run / "quarantine").iterdir())
+    assert moved == ["log-steps-0000000010-0000000012.h5", "log-steps-0000000011-0000000013.1.h5",
+                     "log-steps-0000000011-0000000013.h5", "log-steps-0000000013-0000000013.h5"], moved
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])
