@@ -120,7 +120,10 @@ def _check_value(key: str, default: Any, value: Any, where: str) -> None:
                                    f"[{lo}, {hi}]")
         return
     elif default is None:
-        ok = value is None or isinstance(value, (bool, str)) or _number(value) is not None
+        if _number(value) is not None and not isinstance(value, bool):
+            _check_value(key, 0.0, value, where)  # a number where the default is none: finite and in range all the same
+            return
+        ok = value is None or isinstance(value, (bool, str))
         want = "none, a flag or a number"
     elif isinstance(default, str):
         ok = isinstance(value, str)

@@ -7,7 +7,7 @@ import pytest
 
 from lowdiff.errors import CorruptFileError
 from lowdiff.storage.format import encode_value
-from lowdiff.storage.validate import decoded_defaults
+from lowdiff.storage.validate import check_group, decoded_defaults
 
 
 def _enc(defaults: dict) -> dict:
@@ -30,3 +30,19 @@ def test_real_optimizers_defaults_pass(defaults: dict) -> None:
 def test_shapes_no_optimizer_has_are_refused(bad: dict) -> None:
     with pytest.raises(CorruptFileError):
         decoded_defaults(_enc(bad), "manifest.json")
+
+
+@pytest.mark.parametrize("group", [
+    {"lr": float("nan"), "eps": (None, 1e-3)}, {"lr": -1.0, "eps": (None, 1e-3)}, {"lr": None, "eps": (-5.0, 1e-3)},
+    {"lr": None, "eps": (float("inf"), 1e-3)},
+])
+def test_a_logged_number_where_the_default_is_none_is_checked_like_any_number(group: dict) -> None:
+    """transformers' Adafactor is built with lr None and eps (None, 1e-3): a number a step logs there must still be
+    finite and in range (FORMAT.md section 8); a forged NaN passed."""
+    with pytest.raises(CorruptFileError, match="not a finite number"):
+        check_group(group, {"lr": None, "eps": (None, 1e-3)}, "steps-0000000001-0000000001.h5")
+
+
+def test_a_logged_group_of_real_adafactor_values_passes() -> None:
+    check_group({"lr": 1e-2, "eps": (1e-30, 1e-3)}, {"lr": None, "eps": (None, 1e-3)}, "x.h5")
+    check_group({"lr": None, "eps": (None, 1e-3)}, {"lr": None, "eps": (None, 1e-3)}, "x.h5")
