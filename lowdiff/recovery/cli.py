@@ -19,8 +19,9 @@ from lowdiff.recovery.api import recover
 from lowdiff.recovery.run_info import inspect
 
 OPTIMIZER_CLASS_HELP = ("MODULE:CLASS of the run's optimizer when it is not one of torch.optim's (imported because "
-                        "you name it here; nothing named in a run directory is imported). A class the training "
-                        "script itself defined is recorded as __main__.CLASS: name a module defining CLASS")
+                        "you name it here; nothing named in a run directory is imported). Importing MODULE runs its "
+                        "top-level code: name a module that defines CLASS, not a training script. A class the "
+                        "training script itself defined is recorded as __main__.CLASS: name a module defining CLASS")
 
 
 def _optimizer_class(spec: str | None) -> type | None:
