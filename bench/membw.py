@@ -15,6 +15,10 @@ what the copy uses up. This bench measures that on the machine it runs on:
   preallocated buffer, as a writer's ring slot. Medians over interleaved rounds; ``added`` is the median over
   rounds of (with copy - alone): what the copy beside cost the training thread, against ``copy``, what it costs
   made on the training thread itself.
+- *the gradient produced in the slot*: the other way to hand the gradient over without a copy after backward. The
+  gradients are set to views of a zeroed slot (one of 16, zeroed off the clock, as a persistence process would
+  hand it back) so backward accumulates into it (``fb into slot``), and the same with the zeroing on the clock
+  (``zero+fb into slot``), against forward and backward then the copy into a slot (``fb+copy``).
 
     python bench/membw.py [--rounds 200] [--docs docs/measurements/membw.md]
     python bench/membw.py --smoke --out-dir /tmp/x
@@ -99,9 +103,29 @@ def beside_training(rounds: int, blocks: int, width: int, batch: int) -> dict[st
             torch.cat([g.reshape(-1) for g in grads], out=buf)
         return run
 
+    slots = [torch.zeros_like(buf) for _ in range(16)]
+
+    def into_slot(slot: torch.Tensor, zero: bool) -> Callable[[], None]:
+        def run() -> None:
+            if zero:
+                slot.zero_()
+            at = 0
+            for p in params:
+                p.grad = slot[at:at + p.numel()].view_as(p)
+                at += p.numel()
+            model(x).pow(2).mean().backward()  # accumulates into the slot's views
+        return run
+
+    def fb_then_copy(slot: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            fb()
+            torch.cat([p.grad.reshape(-1) for p in params], out=slot)
+        return run
+
     fb()
     opt.step()
-    keys = ("fb", "fb+copy beside", "step", "step+copy beside", "copy")
+    keys = ("fb", "fb+copy beside", "step", "step+copy beside", "copy", "fb+copy", "fb into slot",
+            "zero+fb into slot")
     samples: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(rounds):
         grads = [p.grad for p in params]  # the step before's gradients (set_to_none: fresh tensors next pass)
@@ -116,6 +140,19 @@ def beside_training(rounds: int, blocks: int, width: int, batch: int) -> dict[st
         future = pool.submit(copy([p.grad for p in params]))
         samples["step+copy beside"].append(_timed(opt.step))
         future.result()
+        for key, work in (("fb+copy", fb_then_copy), ("fb into slot", None), ("zero+fb into slot", None)):
+            slot = slots[len(samples[key]) % len(slots)]
+            if work is None:
+                zero = key.startswith("zero")
+                if not zero:
+                    slot.zero_()
+                run_it = into_slot(slot, zero)
+            else:
+                run_it = work(slot)
+            opt.zero_grad(set_to_none=True)
+            samples[key].append(_timed(run_it))
+        opt.zero_grad(set_to_none=True)
+        fb()  # fresh gradients of the model's own for the next round's copies
     pool.shutdown()
     med = {k: statistics.median(v) for k, v in samples.items()}
     added = {
@@ -178,6 +215,17 @@ def markdown(res: dict[str, Any]) -> str:
         f"What the copy on the other core added to the training thread (median over rounds of the difference): "
         f"{add['fb']:.2f} ms beside forward + backward, {add['step']:.2f} ms beside the AdamW step, against "
         f"{ms['copy']:.2f} ms made on the training thread itself.",
+        "",
+        "## The gradient produced in a slot instead of copied into one",
+        "",
+        "| | median ms |",
+        "|---|---|",
+        f"| forward + backward, then the copy into a slot | {ms['fb+copy']:.2f} |",
+        f"| forward + backward into a slot zeroed beforehand (gradients set to its views) | {ms['fb into slot']:.2f} |",
+        f"| the same with the zeroing on the clock | {ms['zero+fb into slot']:.2f} |",
+        "",
+        "Where backward into the slot is not clearly faster than backward and the copy, producing the gradient in "
+        "shared memory saves the training thread nothing: accumulating into a cold slot costs what the copy does.",
         "",
         "Reading: where the memory ratio is near 2 the two cores share one memory bandwidth, and a copy moved to "
         "the other core slows the training thread's own memory-bound work (the optimizer step, the backward pass) "
