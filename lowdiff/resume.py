@@ -75,17 +75,14 @@ def _memory(rec: Recovered, compressor: Compressor, world_size: int) -> dict[str
     has_memory = compressor.name != "none"
     if rec.world_size == 1 and world_size == 1:
         if not rec.compressor_state_exact and has_memory:
-            log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero "
-                     "(opt.resume(at='snapshot') continues bit for bit from the newest snapshot step instead)",
-                     rec.step)
+            _residuals_restart(rec.step)
         return state
     shared = {n: {k: v for k, v in st.items() if k not in local} for n, st in state.items()}
     shared = {n: st for n, st in shared.items() if st}
     if not has_memory:
         return shared
     if not rec.compressor_state_exact:
-        log.info("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero "
-                 "(opt.resume(at='snapshot') continues bit for bit from the newest snapshot step instead)", rec.step)
+        _residuals_restart(rec.step)
     elif rec.world_size != world_size:
         log.warning("lowdiff: resumed on %d rank(s) the snapshot at step %d, which %d rank(s) wrote: each rank's "
                     "error-feedback residuals restart at zero (they belong to the ranks that wrote them)",
@@ -97,6 +94,14 @@ def _memory(rec: Recovered, compressor: Compressor, world_size: int) -> dict[str
         log.warning("lowdiff: the snapshot at step %d was written before lowdiff saved each rank's own residuals; "
                     "error-feedback residuals restart at zero", rec.step)
     return shared
+
+
+def _residuals_restart(step: int) -> None:
+    # A warning, not an INFO line: the loop goes on, but from here it no longer trains what the uninterrupted run
+    # would have, and the quickstart's plain resume() is where a user meets it.
+    log.warning("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero, so the run "
+                "continues close to the uninterrupted one but not bit for bit (opt.resume(at='snapshot') continues "
+                "bit for bit from the newest snapshot step instead)", step)
 
 
 def apply_end_groups(groups: list[dict[str, Any]], end: list[dict[str, Any]] | None) -> None:

@@ -244,6 +244,18 @@ def test_resume_at_snapshot_is_exact_for_compressors(tmp_path: Path, compressor:
     assert quarantined and all(n.startswith("log-steps-") for n in quarantined)  # steps 11-12 set aside, not lost
 
 
+def test_a_resume_between_snapshots_with_a_compressor_warns_that_it_is_not_bit_for_bit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The quickstart's plain resume() after a crash between snapshots: Top-k's residuals restart at zero, and the
+    user must hear it at the default logging level (it was an INFO line)."""
+    crash(tmp_path / "run", compressor="topk", flush_at=12, kill_at=13)
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        got = loop(tmp_path / "run", compressor="topk")
+    assert got["start"] == 12
+    assert any(r.levelno == logging.WARNING and "not bit for bit" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.parametrize("persistence", ["thread", "process"])
 def test_evaluation_between_steps_is_not_repeated_by_the_resume(tmp_path: Path, persistence: str) -> None:
     """An evaluation after iteration 6 draws from torch's generator; the resumed run starts at 6 and does not
