@@ -35,7 +35,7 @@ from lowdiff.lifecycle import (
     wants_layerwise,
 )
 from lowdiff.model_spec import describe, wrapper_chain
-from lowdiff.param_writes import WriteWatch
+from lowdiff.param_writes import HookWatch, WriteWatch
 from lowdiff.resume import apply_end_groups, compressor_state, recover_for_resume, replay_class
 from lowdiff.shadow import ShadowReplica, make_shadow
 from lowdiff.stager import Stager, encode_groups
@@ -118,6 +118,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Writes to parameters between steps, which no replay repeats (lowdiff.param_writes). Not under fully_shard:
         # its sharded parameters are DTensors, whose own version counter does not follow their local shards.
         self._writes = WriteWatch(self._spec.params) if config.enabled and self._sharded is None else None
+        self._hooks = HookWatch(optimizer) if config.enabled else None
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None
         self._iteration: IterationEnd | None = None
@@ -404,11 +405,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         lifecycle.guard_sigint()
         if self._writes is not None:
             self._writes.check(self._loop.step + 1)
+        if self._hooks is not None:
+            self._hooks.check(self._loop.step + 1)
         if self._step0 is not None:
             self._settle_step0()
         if self._iteration is not None:
             self._iteration.seal()  # the previous iteration ended: this one has reached its step
             self._report_backpressure(self._loop.step)
+        # Pre-hooks run where torch runs them, before the closure, and before the gradient is compressed and logged:
+        # what a hook leaves in .grad is what the log holds.
+        for pre in list(self._optimizer_step_pre_hooks.values()):
+            pre(self, (), {})
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -430,11 +437,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             copies = self._stager.copy_step(grads, ckpt.slots, payloads)
             stage_s = time.perf_counter() - t_stage
         groups = encode_groups(self.inner.param_groups)
-        for pre in list(self._optimizer_step_pre_hooks.values()):
-            pre(self, (), {})
         out = self.inner.step()
-        for post in list(self._optimizer_step_post_hooks.values()):
-            post(self, (), {})
         # compress + decode + inner step, staging excluded: the tuner's estimate of one replayed step.
         apply_s = time.perf_counter() - t_apply - stage_s
         step = self._loop.step + 1
@@ -444,6 +447,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._hold(self._stager.finish_step(copies, step, groups, data), apply_s)
         if self._writes is not None:
             self._writes.arm(step)
+        # After the watch is armed: a post-hook that writes parameters (a weight constraint) is reported at the next
+        # step, since no replay runs it.
+        for post in list(self._optimizer_step_post_hooks.values()):
+            post(self, (), {})
         lifecycle.raise_deferred_interrupt()  # a Ctrl-C that came during this step: raised now that it is logged
         return loss if closure is not None else out
 

@@ -14,6 +14,12 @@ every parameter every step. So every step checks two sentinels (the first and th
 model's parameters or a ``load_state_dict`` writes them too), and one step in ``FULL_EVERY`` checks them all (a write
 to some layers only, done every step, is seen within that many steps; done once, it is seen with a chance of one in
 ``FULL_EVERY``). The first write seen is reported once, and the checks stop.
+
+Optimizer step hooks registered on the inner optimizer (or globally) run inside its ``step()``, after lowdiff took
+the step's gradient and before it can look at the parameters: a pre-hook that scales gradients or a post-hook that
+clamps weights changes what the run trains, and no replay runs it. :class:`HookWatch` says so once. Hooks on
+lowdiff's own optimizer are handled by the wrapper instead (pre-hooks before the gradient is taken, post-hooks
+after this watch is armed).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Mapping
 from operator import attrgetter
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +80,47 @@ class WriteWatch:
                     "lowdiff.recover()), or see 'Changes outside opt.step()' in docs/guide/exact-resume.md. Reported "
                     "once per run", shown, armed, step, armed)
         return changed
+
+
+class HookWatch:
+    """Step hooks that run inside the inner optimizer's ``step()`` (its own, and global ones other than torch's
+    observers, such as torch.profiler's): reported once, at the first step that finds any. The registries are looked
+    into again only when their sizes change, so a step costs four ``len()`` calls."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self._inner = inner
+        self._sizes: tuple[int, ...] | None = None
+        self.reported: list[str] = []
+
+    def check(self, step: int) -> list[str]:
+        if self.reported:
+            return []
+        inner = self._inner
+        pre, post = getattr(inner, "_optimizer_step_pre_hooks", {}), getattr(inner, "_optimizer_step_post_hooks", {})
+        sizes = (len(pre), len(post), len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+        if sizes == self._sizes:
+            return []
+        self._sizes = sizes
+        found = [f"pre-hook {_name(h)!r}" for h in pre.values()] + [f"post-hook {_name(h)!r}" for h in post.values()]
+        found += [f"global pre-hook {_name(h)!r}" for h in _global_optimizer_pre_hooks.values() if not _torchs(h)]
+        found += [f"global post-hook {_name(h)!r}" for h in _global_optimizer_post_hooks.values() if not _torchs(h)]
+        if not found:
+            return []
+        self.reported = found
+        log.warning("lowdiff: optimizer step hook(s) %s run inside the inner optimizer's step(), where lowdiff has "
+                    "already taken step %d's gradient and cannot see what they change: recovery and resume replay "
+                    "the steps without them. If a hook changes gradients, parameters or optimizer state, register "
+                    "it on lowdiff's optimizer instead (opt.register_step_pre_hook: the gradient it leaves is the "
+                    "one logged; opt.register_step_post_hook: writes to parameters are reported), or make the "
+                    "change inside a subclass's step() (docs/guide/exact-resume.md, 'Changes outside opt.step()'). "
+                    "A hook that only reads is harmless. Reported once", ", ".join(found[:4]), step)
+        return found
+
+
+def _name(hook: object) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
+
+
+def _torchs(hook: object) -> bool:
+    """torch's own observers (torch.profiler registers a global post-hook when imported): they change nothing."""
+    return (getattr(hook, "__module__", None) or "").split(".")[0] == "torch"

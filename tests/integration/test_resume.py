@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lowdiff_harness import (
     start,
     train_run,
 )
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import lowdiff
 
@@ -477,3 +479,79 @@ def test_a_write_to_one_layer_every_step_is_reported_within_a_full_check(tmp_pat
         t.opt.close()
     (report,) = _reports(caplog)
     assert "between opt.step() 15 and 16" in report and repr(middle) in report
+
+
+def _hook_runs(tmp_path: Path, register: Any, steps: int = 6) -> tuple[Trainer, lowdiff.Recovered]:
+    t = start(Scenario(compressor="none", scheduler=False), tmp_path / "run")
+    register(t)
+    t.train(1, steps)
+    t.opt.close()
+    return t, lowdiff.recover(tmp_path / "run", workers=1)
+
+
+def _halve_grads(model: torch.nn.Module) -> Any:
+    def pre(*_: Any) -> None:
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+    return pre
+
+
+def _clamp(model: torch.nn.Module) -> Any:
+    def post(*_: Any) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+    return post
+
+
+def test_a_pre_hook_on_lowdiffs_optimizer_changes_the_gradient_the_log_holds(tmp_path: Path) -> None:
+    """It runs before the gradient is taken, as torch runs pre-hooks before the step: the replay is exact (the
+    hook ran after the gradient was staged, so the log held the gradient before it)."""
+    t, rec = _hook_runs(tmp_path, lambda t: t.opt.register_step_pre_hook(_halve_grads(t.model)))
+    assert_state_equal(*t.refs[6], rec)
+
+
+def test_a_post_hook_on_lowdiffs_optimizer_that_writes_weights_is_reported(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="lowdiff"):
+        _hook_runs(tmp_path, lambda t: t.opt.register_step_post_hook(_clamp(t.model)))
+    (report,) = _reports(caplog)
+    assert "between opt.step() 1 and 2" in report
+
+
+@pytest.mark.parametrize("kind", ["pre", "post", "global"])
+def test_step_hooks_inside_the_inner_optimizers_step_are_reported(tmp_path: Path, kind: str,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """They run where lowdiff sees nothing (the gradient already taken, the parameters not yet watched), and no
+    replay runs them: the recovered state differs, so lowdiff must say so. torch.profiler's own global post-hook,
+    registered when it is imported, is not reported."""
+    import torch.profiler  # noqa: F401  (its observer hook is installed)
+
+    def register(t: Trainer) -> None:
+        if kind == "pre":
+            t.inner.register_step_pre_hook(_halve_grads(t.model))
+        elif kind == "post":
+            t.inner.register_step_post_hook(_clamp(t.model))
+        else:
+            handles.append(register_optimizer_step_post_hook(_clamp(t.model)))
+
+    handles: list[Any] = []
+    try:
+        with caplog.at_level("WARNING", logger="lowdiff"):
+            t, rec = _hook_runs(tmp_path, register)
+    finally:
+        for h in handles:
+            h.remove()
+    reports = [r.getMessage() for r in caplog.records if "optimizer step hook(s)" in r.getMessage()]
+    assert len(reports) == 1 and ("_clamp" in reports[0] or "_halve_grads" in reports[0]), reports
+    assert "profiler" not in reports[0]
+    with pytest.raises(AssertionError):  # what the warning is for
+        assert_state_equal(*t.refs[6], rec)
+
+
+def test_no_hook_report_in_an_ordinary_loop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch.profiler  # noqa: F401
+
+    with caplog.at_level("WARNING", logger="lowdiff"):
+        _hook_runs(tmp_path, lambda t: None)
+    assert not [r for r in caplog.records if "optimizer step hook(s)" in r.getMessage()]
