@@ -115,9 +115,11 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                               leader=self._leader, per_rank=self._coord.world_size > 1 and self._sharded is None,
                               layerwise=layerwise,
                               copy_thread=config.snapshot.background_copy and self._hook is None)
-        # Writes to parameters between steps, which no replay repeats (lowdiff.param_writes). Not under fully_shard:
-        # its sharded parameters are DTensors, whose own version counter does not follow their local shards.
-        self._writes = WriteWatch(self._spec.params) if config.enabled and self._sharded is None else None
+        # Writes to parameters and their optimizer state between steps, which no replay repeats (lowdiff.param_writes).
+        # Not under fully_shard: its sharded parameters are DTensors, whose own version counter does not follow their
+        # local shards.
+        watched = config.enabled and self._sharded is None
+        self._writes = WriteWatch(self._spec.params, optimizer) if watched else None
         self._hooks = HookWatch(optimizer) if config.enabled else None
         self._run_dir: RunDir | None = None
         self._checkpointer: Checkpointer | None = None

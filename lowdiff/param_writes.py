@@ -13,7 +13,9 @@ costs about 0.1 us (torch's attribute access), 20 us for 200 parameters, twice a
 every parameter every step. So every step checks two sentinels (the first and the last parameter: a loop over the
 model's parameters or a ``load_state_dict`` writes them too), and one step in ``FULL_EVERY`` checks them all (a write
 to some layers only, done every step, is seen within that many steps; done once, it is seen with a chance of one in
-``FULL_EVERY``). The first write seen is reported once, and the checks stop.
+``FULL_EVERY``). The same parameters' optimizer state is watched alongside (its tensors' version counters and
+identities: Adam's moments reset or zeroed, a rollback through the inner optimizer's ``load_state_dict()``). The
+first write seen is reported once, and the checks stop.
 
 Optimizer step hooks registered on the inner optimizer (or globally) run inside its ``step()``, after lowdiff took
 the step's gradient and before it can look at the parameters: a pre-hook that scales gradients or a post-hook that
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from operator import attrgetter
+from typing import Any
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -34,52 +36,75 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 log = logging.getLogger(__name__)
 
 FULL_EVERY = 16
-_version = attrgetter("_version")
 
 
 class WriteWatch:
-    """Watches ``named`` parameters for writes between the end of one ``opt.step()`` and the start of the next."""
+    """Watches ``named`` parameters, and with ``optimizer`` their state in it, for writes between the end of one
+    ``opt.step()`` and the start of the next."""
 
-    def __init__(self, named: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, named: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
         self._names = list(named)
         self._params = list(named.values())
+        self._optimizer = optimizer
         self._sentinels = [0, len(self._params) - 1] if len(self._params) > 2 else list(range(len(self._params)))
-        self._seen: tuple[int, list[int], list[int]] | None = None
-        """(the step armed at, indices of the parameters armed, their versions)."""
+        self._seen: tuple[int, list[int], list[int], list[tuple[Any, ...]]] | None = None
+        """(the step armed at, indices of the parameters armed, their versions, their optimizer state's marks)."""
         self.reported = False
+
+    def _marks(self, indices: list[int]) -> list[tuple[Any, ...]]:
+        if self._optimizer is None:
+            return []
+        state = self._optimizer.state  # looked up each time: load_state_dict() replaces the mapping
+        return [_state_mark(state.get(self._params[i])) for i in indices]
 
     def arm(self, step: int) -> None:
         """The parameters as ``opt.step()`` of ``step`` (or a resume at ``step``) left them: what the next
         :meth:`check` compares with. All of them when the next step is a full check's, else the sentinels."""
         if self.reported:
             return
-        if (step + 1) % FULL_EVERY == 0:
-            self._seen = step, list(range(len(self._params))), list(map(_version, self._params))
-        else:
-            self._seen = step, self._sentinels, [self._params[i]._version for i in self._sentinels]
+        indices = list(range(len(self._params))) if (step + 1) % FULL_EVERY == 0 else self._sentinels
+        self._seen = step, indices, [self._params[i]._version for i in indices], self._marks(indices)
 
     def check(self, step: int) -> list[str]:
         """At the start of ``opt.step()`` for ``step``: the armed parameters written since :meth:`arm` (at the last
-        step: iterations a GradScaler skipped lie between), reported once (a warning naming them); [] when none was,
-        or nothing was armed (an interrupted step, the first)."""
+        step: iterations a GradScaler skipped lie between), or whose optimizer state was, reported once (a warning
+        naming them); [] when none was, or nothing was armed (an interrupted step, the first)."""
         seen, self._seen = self._seen, None
         if seen is None or self.reported:
             return []
-        armed, indices, before = seen
-        now = list(map(_version, self._params)) if len(indices) == len(self._params) else \
-            [self._params[i]._version for i in indices]
-        if now == before:
+        armed, indices, before, marks = seen
+        now = [self._params[i]._version for i in indices]
+        marks_now = self._marks(indices)
+        if now == before and marks_now == marks:
             return []
-        changed = [self._names[i] for i, v, v0 in zip(indices, now, before) if v != v0]
+        written = [self._names[i] for i, v, v0 in zip(indices, now, before) if v != v0]
+        state = [self._names[i] for i, m, m0 in zip(indices, marks_now, marks) if m != m0]
         self.reported = True
-        shown = ", ".join(repr(n) for n in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        log.warning("lowdiff: parameter(s) %s changed between opt.step() %d and %d, outside the optimizer step: the "
-                    "log holds optimizer steps only, so a state recovered or resumed after step %d will not have "
-                    "this change (nor later ones like it). Make such changes inside the optimizer's step() (a "
-                    "subclass that applies them after the update, replayed too: pass optimizer_class= to "
-                    "lowdiff.recover()), or see 'Changes outside opt.step()' in docs/guide/exact-resume.md. Reported "
-                    "once per run", shown, armed, step, armed)
-        return changed
+        what = []
+        if written:
+            what.append(f"parameter(s) {_shown(written)}")
+        if state:
+            what.append(f"the optimizer state of parameter(s) {_shown(state)}")
+        log.warning("lowdiff: %s changed between opt.step() %d and %d, outside the optimizer step: the log holds "
+                    "optimizer steps only, so a state recovered or resumed after step %d will not have this change "
+                    "(nor later ones like it). Make such changes inside the optimizer's step() (a subclass that "
+                    "applies them after the update, replayed too: pass optimizer_class= to lowdiff.recover()), or "
+                    "see 'Changes outside opt.step()' in docs/guide/exact-resume.md. Reported once",
+                    " and ".join(what), armed, step, armed)
+        return written + [n for n in state if n not in written]
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _state_mark(st: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """What changes when a parameter's optimizer state is written in place (a tensor's version counter), replaced
+    (``load_state_dict`` makes new tensors: a new id, version 0 where the old one had been stepped) or removed
+    (``state.clear()``)."""
+    if not st:
+        return ()
+    return tuple((k, id(v), v._version) if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items())
 
 
 class HookWatch:

@@ -555,3 +555,26 @@ def test_no_hook_report_in_an_ordinary_loop(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level("WARNING", logger="lowdiff"):
         _hook_runs(tmp_path, lambda t: None)
     assert not [r for r in caplog.records if "optimizer step hook(s)" in r.getMessage()]
+
+
+@pytest.mark.parametrize("how", ["clear", "zero", "load_state_dict"])
+def test_optimizer_state_changed_between_steps_is_reported(tmp_path: Path, how: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Adam's moments reset (state.clear(), a moment zeroed) or rolled back through the inner optimizer's
+    load_state_dict() (which replaces the state mapping) between two steps: no replay repeats it."""
+    t = start(Scenario(compressor="none", scheduler=False), tmp_path / "run")
+    t.train(1, 3)
+    old = copy.deepcopy(t.inner.state_dict())
+    t.train(4, 6)
+    if how == "clear":
+        t.inner.state.clear()
+    elif how == "zero":
+        for st in t.inner.state.values():
+            st["exp_avg"].zero_()
+    else:
+        t.inner.load_state_dict(old)
+    with caplog.at_level("WARNING", logger="lowdiff"):
+        t.train(7, 8)
+        t.opt.close()
+    (report,) = _reports(caplog)
+    assert "the optimizer state of parameter(s)" in report and "between opt.step() 6 and 7" in report
