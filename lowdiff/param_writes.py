@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from lowdiff.errors import ModelMismatchError
+
 log = logging.getLogger(__name__)
 
 FULL_EVERY = 16
@@ -47,6 +49,7 @@ class WriteWatch:
         self._params = list(named.values())
         self._optimizer = optimizer
         self._sentinels = [0, len(self._params) - 1] if len(self._params) > 2 else list(range(len(self._params)))
+        self._kinds = [(self._params[i].dtype, self._params[i].shape) for i in self._sentinels]
         self._seen: tuple[int, list[int], list[int], list[tuple[Any, ...]]] | None = None
         """(the step armed at, indices of the parameters armed, their versions, their optimizer state's marks)."""
         self.reported = False
@@ -71,6 +74,16 @@ class WriteWatch:
         """At the start of ``opt.step()`` for ``step``: the armed parameters written since :meth:`arm` (at the last
         step: iterations a GradScaler skipped lie between), or whose optimizer state was, reported once (a warning
         naming them); [] when none was, or nothing was armed (an interrupted step, the first)."""
+        for i, (dtype, shape) in zip(self._sentinels, self._kinds):
+            p = self._params[i]
+            if p.dtype != dtype or p.shape != shape:
+                # model.to(dtype) after wrap() replaces .data (no version bump): every file from here on would hold
+                # tensors the manifest does not describe, and recovery would refuse them all as damaged.
+                raise ModelMismatchError(
+                    f"parameter {self._names[i]!r} is {str(p.dtype).removeprefix('torch.')}{list(p.shape)} at "
+                    f"opt.step() {step}, but lowdiff.wrap() recorded it as {str(dtype).removeprefix('torch.')}"
+                    f"{list(shape)} (the model was cast or reshaped after wrap()): cast the model before building "
+                    "its optimizer and wrapping it, or start a new run directory for the new model")
         seen, self._seen = self._seen, None
         if seen is None or self.reported:
             return []

@@ -132,8 +132,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
             target, chains = candidates_for(root, step, frozenset(damaged))
         except StepNotAvailableError as e:
             if skipped:
-                raise CorruptFileError(f"{root}: no undamaged snapshot and log reach step "
-                                       f"{'the latest' if step is None else step}: {'; '.join(skipped)}") from e
+                raise CorruptFileError(f"{root}: no undamaged snapshot and log reach "
+                                       f"{'any step' if step is None else f'step {step}'}: {'; '.join(skipped)}") from e
             if contested_notes:
                 raise StepNotAvailableError(f"{e}; {'; '.join(contested_notes)}") from e
             raise

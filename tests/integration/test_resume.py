@@ -578,3 +578,15 @@ def test_optimizer_state_changed_between_steps_is_reported(tmp_path: Path, how: 
         t.opt.close()
     (report,) = _reports(caplog)
     assert "the optimizer state of parameter(s)" in report and "between opt.step() 6 and 7" in report
+
+
+def test_a_model_cast_after_wrap_is_refused_at_the_next_step(tmp_path: Path) -> None:
+    """model.to(bfloat16) after wrap() replaces each parameter's .data: trained on, every snapshot and segment would
+    hold tensors the manifest does not describe, and recovery refused them all as damaged files."""
+    t = start(Scenario(compressor="none", scheduler=False), tmp_path / "run")
+    t.train(1, 3)
+    t.model.to(torch.bfloat16)
+    with pytest.raises(lowdiff.ModelMismatchError, match="bfloat16.*recorded it as float32.*after wrap"):
+        t.opt.step()
+    t.opt.close()
+    assert lowdiff.recover(tmp_path / "run").step == 3
