@@ -204,6 +204,8 @@ class Config:
         _check_type("run_dir", self.run_dir, (str, os.PathLike), "a path string")
         if not str(self.run_dir):
             raise ConfigError("config key 'run_dir' must be a non-empty path")
+        if str(self.run_dir).startswith("~"):  # a YAML file's "~/runs/a": the user's home, not a folder named "~"
+            object.__setattr__(self, "run_dir", os.path.expanduser(str(self.run_dir)))
         _check_type("enabled", self.enabled, bool, "true or false")
         _check_choice("on_write_error", self.on_write_error, ON_WRITE_ERROR)
         if self.snapshot.shadow and self.compressor.name != "none":
@@ -230,7 +232,7 @@ class Config:
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
         except yaml.YAMLError as e:
             raise ConfigError(f"YAML syntax error in {path}: {e}") from e
         if data is None:
@@ -243,6 +245,21 @@ class Config:
         out = dataclasses.asdict(self)
         out["run_dir"] = str(self.run_dir)
         return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: the safe loader keeps the
+    last value silently, so an edited file with a leftover line would run a configuration nobody wrote."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def resolve_codec(codec: str, compressor: str) -> str:

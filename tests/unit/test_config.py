@@ -171,3 +171,20 @@ def test_wrap_accepts_a_yaml_path_and_validates(tmp_path: Path) -> None:
                      {"run_dir": str(tmp_path / "r2"), "log": {"batch_steps": 0}})
     with pytest.raises(ConfigError):
         lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, 42)  # type: ignore[arg-type]
+
+
+def test_yaml_key_given_twice_is_refused(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently: an edited file with a leftover line would run settings
+    nobody chose."""
+    path = tmp_path / "c.yaml"
+    path.write_text("run_dir: r\nsnapshot:\n  every_steps: 10\n  every_steps: 100\n")
+    with pytest.raises(ConfigError, match="'every_steps' is given twice"):
+        Config.from_yaml(path)
+
+
+def test_run_dir_with_a_tilde_is_the_users_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("run_dir: ~/runs/a\n")
+    assert Config.from_yaml(path).run_dir == str(tmp_path / "runs" / "a")
+    assert Config.from_dict({"run_dir": "runs/~a"}).run_dir == "runs/~a"
