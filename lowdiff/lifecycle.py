@@ -136,6 +136,20 @@ def guard_sigint() -> None:
 signals.HANDLERS.update({_on_sigterm, _on_sigint})
 
 
+def several_at_resume(opt: LowDiffOptimizer) -> None:
+    """Said when ``opt`` resumes beside other open wrappers (a GAN's two optimizers): each resume restores the
+    process's RNG state from its own run, so the one resumed last decides it, and after a crash between their steps
+    one run is an iteration ahead of the other."""
+    others = [o for o in OPEN if o is not opt]
+    if not others:
+        return
+    log.warning("lowdiff: %d lowdiff optimizers are open in this process; each logs and resumes its own run, and "
+                "each resume() restores the process's RNG state as its own run logged it, so the one resumed last "
+                "decides it. Resume them in the order they step in an iteration (the one that steps last, last), "
+                "and check that every resume() returns the same iteration: a crash between their steps leaves one "
+                "an iteration ahead (docs/guide/exact-resume.md, 'Several optimizers')", len(others) + 1)
+
+
 def opened(opt: LowDiffOptimizer) -> None:
     """``opt`` holds a run directory until it is closed. The first one installs the SIGTERM handler, when the
     process has none of its own and this is the main thread: a scheduler's SIGTERM then flushes the log (what

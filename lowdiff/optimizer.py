@@ -329,6 +329,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         # Last, so nothing above draws from the restored generators: the next forward starts from them.
         self._tracker.restore(rec.data, rec.step, end_known=rec.end_groups is not None)
         rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
+        lifecycle.several_at_resume(self)
         if fsdp.changes_layout(self._run_dir.read_manifest(), rec.world_size, self._sharded):
             data = {**self._tracker.state(AT_STEP)[0], **self._tracker.state(AT_END)[0]}
             fsdp.rebase(self._stager.snapshot(rec.step, data), self._run_dir, self._coord, self.inner.param_groups,

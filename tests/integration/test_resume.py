@@ -590,3 +590,31 @@ def test_a_model_cast_after_wrap_is_refused_at_the_next_step(tmp_path: Path) -> 
         t.opt.step()
     t.opt.close()
     assert lowdiff.recover(tmp_path / "run").step == 3
+
+
+def test_a_second_open_optimizer_at_resume_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two wrapped optimizers in one process (a GAN's): each resume() restores the process's RNG state from its own
+    run, so the order matters; lowdiff says so."""
+    scenario = Scenario(compressor="none", scheduler=False)
+    for name in ("d", "g"):
+        train_run(scenario, tmp_path / name, 3)
+    first = start(scenario, tmp_path / "d", resume=False)
+    second = start(scenario, tmp_path / "g", resume=False)
+    try:
+        with caplog.at_level("WARNING", logger="lowdiff"):
+            assert first.opt.resume() == 3 and second.opt.resume() == 3
+    finally:
+        first.opt.close()
+        second.opt.close()
+    said = [r.getMessage() for r in caplog.records if "lowdiff optimizers are open in this process" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith("lowdiff: 2 lowdiff optimizers"), said
+
+
+def test_one_optimizer_resumes_without_the_several_optimizers_note(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    scenario = Scenario(compressor="none", scheduler=False)
+    train_run(scenario, tmp_path / "run", 3)
+    with caplog.at_level("WARNING", logger="lowdiff"):
+        t = start(scenario, tmp_path / "run")
+        t.opt.close()
+    assert not [r for r in caplog.records if "optimizers are open" in r.getMessage()]
