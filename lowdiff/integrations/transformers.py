@@ -22,6 +22,7 @@ with transformers 5.x.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Mapping
@@ -35,6 +36,8 @@ from lowdiff.errors import LowDiffError
 from lowdiff.optimizer import LowDiffOptimizer
 
 __all__ = ["LowDiffTrainer"]
+
+log = logging.getLogger(__name__)
 
 _OVERRIDDEN = ("_init_training_state", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
                "_load_rng_state")
@@ -164,6 +167,14 @@ class LowDiffTrainer(Trainer):
         super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs, None, trial)
         start = int(self.lowdiff_start or 0)
         self.state.global_step = start
+        if start >= max_steps:
+            # The run had reached max_steps (the script died after train(), or was run again): nothing to train.
+            # The Trainer's loop would take one more step before its first max_steps check (it does so resuming its
+            # own checkpoint too), which the log would hold as a step the finished run never took.
+            log.info("lowdiff: %s already holds step %d of max_steps %d; nothing to train",
+                     self.lowdiff_optimizer.config.run_dir, start, max_steps)
+            self.state.epoch = num_train_epochs
+            return num_train_epochs, 0
         self.state.epoch = start / num_update_steps_per_epoch
         epochs = start // num_update_steps_per_epoch
         steps = 0 if self.args.ignore_data_skip else \

@@ -5,6 +5,7 @@ with the Trainer's own scheduler or one passed in."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,17 @@ def test_evaluation_every_few_steps_resumes_exactly(tmp_path: Path, crash_at: in
     got = train(tmp_path, "run", own_scheduler=True, eval_every=2)
     assert got.lowdiff_start == crash_at - 1
     assert_same_end(ref, got)
+
+
+def test_a_finished_run_trained_again_takes_no_step(tmp_path: Path) -> None:
+    """The script run again after its train() had reached max_steps (a crash while saving the model afterwards):
+    the Trainer, resumed at max_steps through its checkpoint path, trained one step past it (the stock Trainer does
+    the same with its own checkpoint), so the optimizer state and the log went on to step 14."""
+    ref = train(tmp_path, "run", own_scheduler=True)
+    state = copy.deepcopy(ref.lowdiff_optimizer.inner.state_dict())
+    again = train(tmp_path, "run", own_scheduler=True)
+    assert again.lowdiff_start == MAX_STEPS and again.state.global_step == MAX_STEPS
+    assert lowdiff.recover(tmp_path / "run").step == MAX_STEPS
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, again.lowdiff_optimizer.inner.state_dict()["state"][i][k]), (i, k)
