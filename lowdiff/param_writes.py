@@ -119,7 +119,15 @@ def _state_mark(st: Mapping[str, Any] | None) -> tuple[Any, ...]:
     (``state.clear()``)."""
     if not st:
         return ()
-    return tuple((k, id(v), v._version) if isinstance(v, torch.Tensor) else (k, v) for k, v in st.items())
+    return tuple((k, id(v), v._version) if isinstance(v, torch.Tensor) else (k, _plain(v)) for k, v in st.items())
+
+
+def _plain(v: Any) -> Any:
+    """A non-tensor state value, comparable with ``==`` and equal to itself: numbers by their repr (a NaN stays equal
+    to itself), other objects (a list of tensors in some optimizer's state) by identity, never element by element."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    return id(v)
 
 
 class HookWatch:

@@ -40,7 +40,7 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
         except CorruptFileError as e:
             # Nothing reaches this snapshot's step: it is damaged and no log leads to it, or it belongs to a
             # history a resume discarded (restored from a backup, FORMAT.md section 2). An older one may serve.
-            if e.path is not None and Path(e.path).name == MANIFEST:
+            if e.path is not None and Path(str(e.path)).name == MANIFEST:
                 raise
             log.info("lowdiff: no state at the snapshot step %d can be used (%s); trying an older one", step, e)
             continue
