@@ -19,11 +19,15 @@ def _optimizer() -> tuple[torch.optim.Optimizer, torch.nn.Parameter, torch.nn.Pa
 def test_state_an_optimizer_keeps_as_lists_and_nan_scalars_is_compared_without_error_or_false_report() -> None:
     """A list of tensors compared element by element raised (a tensor's truth value); NaN != NaN reported a change
     that never happened."""
-    opt, _, _ = _optimizer()
-    watch = WriteWatch({"a": opt.param_groups[0]["params"][0], "b": opt.param_groups[0]["params"][1]}, opt)
+    opt, a, b = _optimizer()
+    watch = WriteWatch({"a": a, "b": b}, opt)
     for step in range(1, 40):  # full checks included
         watch.arm(step)
+        opt.state[a]["rms"] = float("nan") * step  # a new NaN object each step, as an optimizer computing it makes
         assert watch.check(step + 1) == []
+    watch.arm(40)
+    opt.state[a]["history"] = [torch.zeros(2), torch.ones(2)]  # new tensors: a change, compared without raising
+    assert watch.check(41) == ["a"]
 
 
 def test_a_state_value_changed_between_steps_is_reported_once() -> None:
