@@ -188,3 +188,12 @@ def test_run_dir_with_a_tilde_is_the_users_home(tmp_path: Path, monkeypatch: pyt
     path.write_text("run_dir: ~/runs/a\n")
     assert Config.from_yaml(path).run_dir == str(tmp_path / "runs" / "a")
     assert Config.from_dict({"run_dir": "runs/~a"}).run_dir == "runs/~a"
+
+
+def test_topk_on_complex_parameters_is_refused_at_wrap(tmp_path: Path) -> None:
+    """torch.topk has no complex kernel: it failed with torch's own error at the first step."""
+    model = torch.nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(lowdiff.UnsupportedError, match="topk cannot select from complex parameters"):
+        lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                     {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk"}})
+    assert not (tmp_path / "run").exists()
