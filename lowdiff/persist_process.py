@@ -131,6 +131,7 @@ class ProcessWriter:
         self._token = 0
         self._closed = False
         self._dead = False
+        self._death_recorded = False
         self._ready = False
         self._outbox: Any = None  # a seal waiting for the next message
         self._kept_if_orphaned = False
@@ -487,16 +488,21 @@ class ProcessWriter:
             self._dead = True
             self._died()
 
-    def _died(self) -> CheckpointWriteError:
-        if self._closed:
-            return CheckpointWriteError(None, f"the persistence process of {self.run_dir.path} is closed")
+    def _died(self) -> None:
+        """Record the persistence process's death, once: reported at the next step, flush or close, unless an error
+        it sent is still to be reported (that one says why). An error reported before it died does not stand in for
+        its death: steps after it were silently not logged when it did (an adversarial probe: ENOSPC raised once,
+        then the process killed, and training went on with flush() and close() returning normally)."""
+        if self._closed or self._death_recorded:
+            return
+        self._death_recorded = True
+        if self._broken and self._error is not None and not self._reported:
+            return
         code = self._proc.poll()
-        err = CheckpointWriteError(None, f"the lowdiff persistence process (pid {self._proc.pid}) of "
-                                         f"{self.run_dir.path} exited (status {code}); steps after "
-                                         f"{self._durable_step} are not on disk. Resume from the run directory")
-        if not self._broken or self._error is None:
-            self._error, self._reported, self._broken = err, False, True
-        return self._error  # type: ignore[return-value]
+        self._error = CheckpointWriteError(f"the lowdiff persistence process (pid {self._proc.pid}) of "
+                                           f"{self.run_dir.path} exited (status {code}); steps after "
+                                           f"{self._durable_step} are not on disk. Resume from the run directory")
+        self._reported, self._broken = False, True
 
     def _drain(self) -> None:
         while not self._dead and not self._closed and self._replies.poll(0):

@@ -222,6 +222,39 @@ def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Pa
     opt.close()
 
 
+def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tmp_path: Path) -> None:
+    """ENOSPC raised once (and caught by the loop), then the persistence process is killed: its death must reach the
+    trainer as well. It was taken for the error already reported, and training went on with nothing logged while
+    flush() and close() returned normally."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 100},
+            "log": {"batch_steps": 2, "persistence": "process"}})
+
+    def step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
+        opt.flush()
+    (child,) = [c for c in _descendants(os.getpid()) if "persist_child" in Path(f"/proc/{c}/cmdline").read_text()]
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not _gone(child):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(lowdiff.CheckpointWriteError, match=rf"persistence process \(pid {child}\).*exited"):
+        for _ in range(5):
+            step()
+        opt.flush()
+    opt.close()
+
+
 def test_slow_persistence_process_blocks_the_step_and_says_so(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
