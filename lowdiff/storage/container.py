@@ -124,6 +124,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
     index = json.dumps({"meta": meta, "entries": descriptors}, separators=(",", ":")).encode()
     tmp = atomic.tmp_path(path)
     try:
+        atomic.ensure_space(tmp.parent, offset + len(index))
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT_NAME
             f.attrs["format_version"] = FORMAT_VERSION

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +243,72 @@ def test_on_write_error_warn_keeps_training(tmp_path: Path, monkeypatch: pytest.
     rec = lowdiff.recover(tmp_path / "run", workers=1)
     assert rec.step == 12
     assert_state_equal(*reference[12], rec)
+
+
+def _small_tmpfs(where: Path, size: str) -> Path:
+    where.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    return where
+
+
+@pytest.mark.parametrize(("persistence", "size"), [("thread", "200k"), ("thread", "300k"), ("process", "200k")])
+def test_a_disk_that_fills_up_is_a_write_error_not_a_crash(tmp_path: Path, persistence: str, size: str) -> None:
+    """A real full disk (a small tmpfs), the loop catching each write error and going on. libhdf5's file close
+    failed half done on ENOSPC and the process then died of a segmentation fault at the next write (thread
+    persistence at 200k: every run before the free-space check); now each failed write is a CheckpointWriteError
+    and what was committed recovers. In a subprocess: a crash must fail this test, not end the test session."""
+    small = _small_tmpfs(tmp_path / "small", size)
+    script = textwrap.dedent(f"""
+        import torch, lowdiff
+        torch.set_num_threads(1); torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model, {{
+            "run_dir": "small/run", "compressor": {{"name": "none"}}, "snapshot": {{"every_steps": 5}},
+            "log": {{"batch_steps": 3, "persistence": {persistence!r}}}}})
+        errors = []
+        for step in range(1, 41):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
+            try:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            except lowdiff.CheckpointWriteError as e:
+                errors.append(e.errno)
+            opt.zero_grad(set_to_none=True)
+        for call in (opt.flush, opt.close):
+            try:
+                call()
+            except lowdiff.CheckpointWriteError as e:
+                errors.append(e.errno)
+        print("ERRORS", *errors)
+        print("DURABLE", lowdiff.recover("small/run").step)
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = next(line for line in out.stdout.splitlines() if line.startswith("ERRORS")).split()[1:]
+    assert errors and set(errors) == {str(errno.ENOSPC)}, out.stdout
+    assert any(line.startswith("DURABLE ") for line in out.stdout.splitlines()), out.stdout
+
+
+def test_no_room_for_a_container_is_refused_before_libhdf5_writes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check before libhdf5 writes, on a file system that reports 10 kB free: nothing is created."""
+    real = os.statvfs
+
+    def full(path: Any) -> Any:
+        st = real(path)
+        return SimpleNamespace(f_bavail=10, f_bfree=10, f_frsize=1024, f_bsize=st.f_bsize)
+
+    monkeypatch.setattr(os, "statvfs", full)
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(lowdiff.CheckpointWriteError, match="No space left on device"):
+        lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {"run_dir": str(tmp_path / "run")})
+    assert not list((tmp_path / "run").rglob("*.h5*"))
