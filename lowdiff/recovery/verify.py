@@ -109,6 +109,9 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
     report.problems += [contested_note(a, b) for a, b in contested(root, frozenset(bad))]
     ends = [c.end for c in chains(root, frozenset(bad))]
     report.latest_step = max(ends) if ends else None
+    if not snapshot_steps:  # every replay starts from a snapshot: the log alone rebuilds nothing
+        report.problems.append(f"{root}: no committed snapshot (snapshots/ is empty or missing), so no step can be "
+                               "recovered; restore the snapshots from a backup")
     return report
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,12 @@ def test_verify_names_a_damaged_file(tmp_path: Path) -> None:
     report = lowdiff.verify(run)
     assert not report.ok and any(seg.name in p for p in report.problems)
     assert report.latest_step == 6  # the snapshot at 4 and the segment 5-6 still reach step 6
+
+
+def test_verify_fails_a_run_without_snapshots(tmp_path: Path) -> None:
+    """Every replay starts from a snapshot: with snapshots/ deleted, recover() refuses, and verify passed it."""
+    run = tmp_path / "run"
+    train_run(SCENARIO, run, 6)
+    shutil.rmtree(run / "snapshots")
+    report = lowdiff.verify(run)
+    assert not report.ok and any("no committed snapshot" in p for p in report.problems), report.problems
