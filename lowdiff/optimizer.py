@@ -229,7 +229,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
 
     def _open_run_dir(self, run_dir: RunDir) -> None:
         assert self._checkpointer is not None
-        run_dir.wait_for_persistence()  # an earlier trainer's persistence processes, still committing
+        run_dir.wait_for_persistence(leader=self._leader)  # an earlier trainer's persistence processes, committing
         if self._leader:
             run_dir.open()
         self._coord.barrier("open run directory")  # no rank starts persistence processes before every rank waited

@@ -114,10 +114,41 @@ def take_persistence_lock(run_dir: Path, index: int) -> int:
     return fd
 
 
-def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], None]) -> None:
+def live_trainer(run_dir: Path) -> str | None:
+    """Who holds RUN_DIR's writer lock in another process (its pid and host as it wrote them), or None: tested by
+    taking the lock and letting it go at once. A lock of this process's own is not looked at (closing a second
+    descriptor of the file would drop it: POSIX record locks belong to the process)."""
+    path = run_dir / LOCK_FILE
+    with _held_guard:
+        if os.path.realpath(path) in _held:
+            return None
+    if not path.is_file():
+        return None
+    try:
+        fd = _open_lock_file(path)
+    except OSError:
+        return None  # taking the lock itself will say what is wrong
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            return None
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], None],
+                         refuse_live_trainer: bool = True) -> None:
     """Return once no persistence process holds a RUN_DIR/persist-*.lock (a trainer calls this before it reads
     or writes the run directory, and before it starts persistence processes of its own). ``on_wait`` is called
-    once if it has to wait; after ``timeout_s`` it raises :class:`RunLockedError`."""
+    once if it has to wait; after ``timeout_s`` it raises :class:`RunLockedError`. With ``refuse_live_trainer``,
+    a persistence process whose trainer is alive (it holds the writer lock: a job started twice on one run
+    directory) is refused at once instead of waited for; a job's ranks other than the one that takes the lock pass
+    False (the lock may be their own job's by then)."""
     deadline = None
     for path in sorted(run_dir.glob(PERSIST_LOCK_GLOB)):
         try:
@@ -134,6 +165,10 @@ def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], 
                     if e.errno not in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
                         raise _error(path, e, "test") from e
                 if deadline is None:
+                    holder = live_trainer(run_dir) if refuse_live_trainer else None
+                    if holder is not None:
+                        raise RunLockedError(f"{run_dir} is in use by another trainer ({holder}); stop it or use "
+                                             "another run_dir")
                     deadline = time.monotonic() + timeout_s
                     on_wait()
                 elif time.monotonic() > deadline:

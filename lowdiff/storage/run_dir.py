@@ -98,12 +98,14 @@ class RunDir:
         if removed:
             log.info("lowdiff: removed %d uncommitted file(s) left by an earlier crash", len(removed))
 
-    def wait_for_persistence(self, timeout_s: float = PERSISTENCE_WAIT_S) -> None:
+    def wait_for_persistence(self, timeout_s: float = PERSISTENCE_WAIT_S, leader: bool = True) -> None:
         """Wait until no persistence process of an earlier trainer is still committing here (every rank, before
         :meth:`open` and before any rank starts persistence processes of its own): a resume then sees every step
-        they were handed, on every rank's shard."""
+        they were handed, on every rank's shard. The ``leader`` (the rank that takes the writer lock) refuses at once
+        when the trainer of those processes is alive: a second job on one run directory."""
         wait_for_persistence(self.path, timeout_s, lambda: log.warning(
-            "lowdiff: %s: waiting for the persistence process of an earlier trainer to finish committing", self.path))
+            "lowdiff: %s: waiting for the persistence process of an earlier trainer to finish committing", self.path),
+            refuse_live_trainer=leader)
 
     def release(self) -> None:
         if self._lock is not None:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -117,9 +118,14 @@ def test_sigkill_then_resume_in_this_process(tmp_path: Path, reference) -> None:
     t.opt.close()
 
 
-def test_lock_is_refused_to_another_live_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_lock_is_refused_to_another_live_process(tmp_path: Path, persistence: str) -> None:
+    """A job started twice on one run directory. With a persistence process, the second took the live trainer's
+    process for an earlier trainer's still committing and waited for it (300 s, or until the first job ended, then
+    resumed its run): it is refused at once too."""
     run_dir = tmp_path / "run"
-    t = start(SCENARIO, run_dir)
+    scenario = replace(SCENARIO, persistence=persistence)
+    t = start(scenario, run_dir)
     try:
         code = (
             "import sys; sys.path.insert(0, sys.argv[2]); import lowdiff\n"
@@ -129,9 +135,11 @@ def test_lock_is_refused_to_another_live_process(tmp_path: Path) -> None:
             "except lowdiff.RunLockedError as e:\n"
             "    print('LOCKED', e); sys.exit(3)\n"
         )
+        t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-c", code, str(run_dir), str(Path(__file__).parents[1]),
-                              json.dumps(SCENARIO.to_dict())], capture_output=True, text=True, timeout=120)
+                              json.dumps(scenario.to_dict())], capture_output=True, text=True, timeout=120)
         assert out.returncode == 3, out.stderr[-2000:]
+        assert "waiting for the persistence process" not in out.stderr, time.monotonic() - t0
         assert f"pid {os.getpid()}" in out.stdout
     finally:
         t.opt.close()
