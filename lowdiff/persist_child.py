@@ -112,7 +112,12 @@ class _ChildWriter(BackgroundWriter):
 
     def _fail(self, e: BaseException) -> None:
         super()._fail(e)
-        err = self._error
+        with self._lock:
+            err = self._error
+            # Sent is reported (the trainer raises it): the next failure is recorded as itself. Unmarked, the writer
+            # kept the first error and every later failure sent its text again (a fault probe: snapshots 15-30
+            # failing were each reported as snapshot 10's failure).
+            self._reported = True
         self.reporter.send(("error", err.args if err is not None else (None, repr(e))))
 
     def _write_batch(self) -> None:

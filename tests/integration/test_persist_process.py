@@ -255,6 +255,29 @@ def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tm
     opt.close()
 
 
+def test_each_failed_write_in_the_persistence_process_is_reported_as_itself(tmp_path: Path) -> None:
+    """Every write fails (a full disk): each error the trainer raises names its own file. The persistence process
+    kept its first error and sent that text again for every later failure."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 3},
+            "log": {"batch_steps": 2, "persistence": "process"}})
+    named: list[str] = []
+    for _ in range(12):
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            opt.flush()
+        except lowdiff.CheckpointWriteError as e:
+            named.append(Path(e.filename).name if e.filename else str(e))
+            opt.zero_grad()
+    opt.close()
+    assert len(set(named)) >= 3, named
+
+
 def test_slow_persistence_process_blocks_the_step_and_says_so(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(0)
