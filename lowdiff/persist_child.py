@@ -388,7 +388,7 @@ class _Session:
         deadline = time.monotonic() + ORPHAN_LOCK_WAIT_S
         while lock is None:
             try:
-                lock = WriterLock(run_dir.path)
+                lock = WriterLock(run_dir.path, holder="persistence process ")
             except RunLockedError:
                 if time.monotonic() > deadline:
                     log.error("lowdiff: the trainer of %s died and another process holds its lock; %d step(s) "

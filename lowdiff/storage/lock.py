@@ -26,7 +26,9 @@ class WriterLock:
     crashed trainer's lock is simply taken over, and, unlike ``flock``, forked children (DataLoader workers
     that outlive a killed trainer for a few seconds) do not inherit it. A live holder is named in the error."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, holder: str = "") -> None:
+        """``holder``: what the lock file says besides the pid and host ("persistence process " for a dead
+        trainer's persistence process committing under it, which :func:`live_trainer` tells from a trainer)."""
         self.path = run_dir / LOCK_FILE
         self._key = os.path.realpath(self.path)
         with _held_guard:
@@ -52,7 +54,7 @@ class WriterLock:
                                  "run_dir") from None
         try:
             os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(self._fd, f"{holder}pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except OSError as e:
             self.release()
             raise _error(self.path, e, "write") from e
@@ -115,9 +117,10 @@ def take_persistence_lock(run_dir: Path, index: int) -> int:
 
 
 def live_trainer(run_dir: Path) -> str | None:
-    """Who holds RUN_DIR's writer lock in another process (its pid and host as it wrote them), or None: tested by
-    taking the lock and letting it go at once. A lock of this process's own is not looked at (closing a second
-    descriptor of the file would drop it: POSIX record locks belong to the process)."""
+    """The trainer holding RUN_DIR's writer lock in another process (its pid and host as it wrote them), or None:
+    tested by taking the lock and letting it go at once. None too when the holder is a dead trainer's persistence
+    process committing under it, or has not written who it is yet. A lock of this process's own is not looked at
+    (closing a second descriptor of the file would drop it: POSIX record locks belong to the process)."""
     path = run_dir / LOCK_FILE
     with _held_guard:
         if os.path.realpath(path) in _held:
@@ -133,7 +136,8 @@ def live_trainer(run_dir: Path) -> str | None:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EACCES, errno.EAGAIN):
-                return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                return holder if holder.startswith("pid ") else None
             return None
         fcntl.lockf(fd, fcntl.LOCK_UN)
         return None
