@@ -191,31 +191,37 @@ def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, refere
     assert_state_equal(*reference.refs[7], rec)
 
 
+class _FullDisk:
+    """A linear model trained under a persistence process whose every write fails with ENOSPC."""
+
+    def __init__(self, run_dir: Path, every_steps: int = 100, on_write_error: str = "raise") -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(4, 3)
+        with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
+            self.opt = lowdiff.wrap(torch.optim.SGD(self.model.parameters(), lr=0.1), self.model, {
+                "run_dir": str(run_dir), "compressor": {"name": "none"}, "on_write_error": on_write_error,
+                "snapshot": {"every_steps": every_steps}, "log": {"batch_steps": 2, "persistence": "process"}})
+
+    def step(self) -> None:
+        self.model(torch.ones(2, 4)).sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
 @pytest.mark.parametrize("on_write_error", ["raise", "warn"])
 def test_write_error_in_the_persistence_process_reaches_the_trainer(tmp_path: Path, on_write_error: str,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    run_dir = tmp_path / "run"
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
-        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
-            "run_dir": str(run_dir), "compressor": {"name": "none"}, "on_write_error": on_write_error,
-            "snapshot": {"every_steps": 100}, "log": {"batch_steps": 2, "persistence": "process"}})
-
-    def step() -> None:
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    disk = _FullDisk(tmp_path / "run", on_write_error=on_write_error)
+    opt = disk.opt
     for _ in range(3):
-        step()
+        disk.step()
     if on_write_error == "raise":
         with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
             opt.flush()
     else:
         with caplog.at_level(logging.WARNING, logger="lowdiff"):
             opt.flush()
-            step()
+            disk.step()
         assert any("No space left" in r.getMessage() for r in caplog.records)
     st = opt.stats
     assert st is not None and st.write_error is not None and st.durable_step == 0
@@ -226,22 +232,11 @@ def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tm
     """ENOSPC raised once (and caught by the loop), then the persistence process is killed: its death must reach the
     trainer as well. It was taken for the error already reported, and training went on with nothing logged while
     flush() and close() returned normally."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
-        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
-            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 100},
-            "log": {"batch_steps": 2, "persistence": "process"}})
-
-    def step() -> None:
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    disk = _FullDisk(tmp_path / "run")
     for _ in range(3):
-        step()
+        disk.step()
     with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
-        opt.flush()
+        disk.opt.flush()
     (child,) = [c for c in _descendants(os.getpid()) if "persist_child" in Path(f"/proc/{c}/cmdline").read_text()]
     os.kill(child, signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -250,31 +245,24 @@ def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tm
         time.sleep(0.02)
     with pytest.raises(lowdiff.CheckpointWriteError, match=rf"persistence process \(pid {child}\).*exited"):
         for _ in range(5):
-            step()
-        opt.flush()
-    opt.close()
+            disk.step()
+        disk.opt.flush()
+    disk.opt.close()
 
 
 def test_each_failed_write_in_the_persistence_process_is_reported_as_itself(tmp_path: Path) -> None:
     """Every write fails (a full disk): each error the trainer raises names its own file. The persistence process
     kept its first error and sent that text again for every later failure."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
-        opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
-            "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"}, "snapshot": {"every_steps": 3},
-            "log": {"batch_steps": 2, "persistence": "process"}})
+    disk = _FullDisk(tmp_path / "run", every_steps=3)
     named: list[str] = []
     for _ in range(12):
         try:
-            model(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            opt.flush()
+            disk.step()
+            disk.opt.flush()
         except lowdiff.CheckpointWriteError as e:
             named.append(Path(e.filename).name if e.filename else str(e))
-            opt.zero_grad()
-    opt.close()
+            disk.opt.zero_grad()
+    disk.opt.close()
     assert len(set(named)) >= 3, named
 
 
