@@ -84,11 +84,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._spec = describe(self.model, optimizer, config)
         cc = config.compressor
         self.compressor = make_compressor(cc.name, ratio=cc.ratio, rank=cc.rank, error_feedback=cc.error_feedback)
-        complex_params = [n for n, p in self._spec.params.items() if p.dtype.is_complex]
-        if complex_params and cc.name == "topk":  # torch.topk has no complex kernel: it failed at the first step
-            raise UnsupportedError(f"compressor topk cannot select from complex parameters ({complex_params[0]!r}"
-                                   f"{' and more' if len(complex_params) > 1 else ''}); use compressor powersgd or "
-                                   "none for this model")
+        self.compressor.check_params(self._spec.params)
         self._sharded: fsdp.Sharded | None = None
         self._coord = Coordinator(ddp is not None or fsdp.is_fsdp(self.model))
         if fsdp.is_fsdp(self.model):  # each rank logs and snapshots its own shards (lowdiff/fsdp.py)

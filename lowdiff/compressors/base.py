@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,6 +75,10 @@ class Compressor(ABC):
 
         payload = self.compress(fqn, grad, comm)
         return payload, decode_payload(payload, grad.shape, trusted=True)
+
+    def check_params(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Refuse, at ``wrap()``, parameters this compressor cannot compress (raise UnsupportedError naming one)."""
+        return None
 
     def begin_step(self) -> None:
         """The ``compress`` calls of one optimizer step follow, single-process (no ``comm``): a compressor may

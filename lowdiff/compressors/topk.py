@@ -8,11 +8,12 @@ a CPU iteration. If the estimate keeps fewer than k candidates the full ``torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
 from lowdiff.compressors.base import Comm, Compressor, Payload, StepPayloads, check_residual
-from lowdiff.errors import CorruptFileError
+from lowdiff.errors import CorruptFileError, UnsupportedError
 
 # Below this many elements torch.topk is already cheap.
 _SAMPLED_MIN_NUMEL = 1 << 16
@@ -147,6 +148,13 @@ class TopKCompressor(Compressor):
         self._generator: dict[str, torch.Generator] = {}
         self._workspace = Workspace()
         self._step = StepBuffers()
+
+    def check_params(self, named: Mapping[str, torch.Tensor]) -> None:
+        complex_params = [n for n, p in named.items() if p.dtype.is_complex]
+        if complex_params:  # torch.topk has no complex kernel: it failed with torch's error at the first step
+            raise UnsupportedError(f"compressor topk cannot select from complex parameters ({complex_params[0]!r}"
+                                   f"{' and more' if len(complex_params) > 1 else ''}); use compressor powersgd or "
+                                   "none for this model")
 
     def begin_step(self) -> None:
         self._step.begin()
