@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.tinygpt import GPT, StdlibText  # noqa: E402
-from lowdiff.storage import codecs  # noqa: E402
-from lowdiff.storage.format import tensor_bytes  # noqa: E402
+from lowdiff._storage import codecs  # noqa: E402
+from lowdiff._storage.format import tensor_bytes  # noqa: E402
 
 
 def gradients(d_model: int, n_layer: int, steps: int) -> list[tuple[bytes, int, str]]:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from _common import GPT50M_MODEL, SMOKE_MODEL, machine_info, median, output_paths, pyplot, train_step, write_json
 
-from lowdiff.compressors import make_compressor
-from lowdiff.compressors.topk import k_for
+from lowdiff._compressors import make_compressor
+from lowdiff._compressors.topk import k_for
 
 RATIO, RANK = 0.01, 4
 

@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, median, train_step, write_json  # noqa: E402
 
-from lowdiff.staging import Staged  # noqa: E402
-from lowdiff.storage.run_dir import RetentionPolicy, RunDir  # noqa: E402
-from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
-from lowdiff.storage.trailer import crc32  # noqa: E402
-from lowdiff.writer import BackgroundWriter  # noqa: E402
+from lowdiff._persist.thread_writer import BackgroundWriter  # noqa: E402
+from lowdiff._storage.run_dir import RetentionPolicy, RunDir  # noqa: E402
+from lowdiff._storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff._storage.trailer import crc32  # noqa: E402
+from lowdiff._transfer.host_copies import Staged  # noqa: E402
 
 GROUPS = [{"lr": 3e-4}]
 SLOTS = 2

@@ -13,9 +13,9 @@ from _common import mb, median, raw_write_fsync
 from overhead_lowdiff import LowDiffMode
 from overhead_modes import Mode
 
-from lowdiff.storage.format import list_segments
-from lowdiff.storage.manifest import read_manifest
-from lowdiff.storage.segment import SegmentReader, StepRecord, write_segment
+from lowdiff._storage.format import list_segments
+from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.segment import SegmentReader, StepRecord, write_segment
 
 
 def last_records(run_dir: Path, steps: int, max_bytes: int) -> list[StepRecord]:

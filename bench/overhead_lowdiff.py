@@ -42,10 +42,10 @@ from _common import mb
 from overhead_modes import PSGD_RANK, TOPK_RATIO, Ctx, Mode, sync, train_step
 
 import lowdiff
-from lowdiff.checkpointer import CheckpointStats
-from lowdiff.compressors import make_compressor
-from lowdiff.compressors.powersgd import factor_shapes
-from lowdiff.compressors.topk import k_for
+from lowdiff._compressors import make_compressor
+from lowdiff._compressors.powersgd import factor_shapes
+from lowdiff._compressors.topk import k_for
+from lowdiff._persist.checkpointer import CheckpointStats
 from lowdiff.config import resolve_codec
 
 DRAIN_TIMEOUT_S = 120.0  # an auto mode's drain gives up (and flushes) after this long

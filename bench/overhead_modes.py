@@ -24,7 +24,7 @@ import torch
 from _common import dir_bytes, fsync_file
 from _common import train_step as _clipped_train_step
 
-from lowdiff.compressors.topk import k_for
+from lowdiff._compressors.topk import k_for
 
 TOPK_RATIO = 0.01
 PSGD_RANK = 4

@@ -1,7 +1,7 @@
 """What a segment write costs in system CPU with its pages left in the page cache, against dropped after the fsync.
 
 lowdiff's containers are written once and read only at recovery; since this bench, the writer asks the kernel to
-drop a file's pages once it is fsynced (``posix_fadvise(POSIX_FADV_DONTNEED)``, lowdiff/storage/atomic.py). This
+drop a file's pages once it is fsynced (``posix_fadvise(POSIX_FADV_DONTNEED)``, lowdiff/_storage/atomic.py). This
 bench measures the mechanism on raw files: series of consecutive ``pwrite`` + ``fsync`` of ``--mb`` MB (a 16-step
 segment of the 48-block MLP's full gradients is 51 MB), each file kept (``kept``) or its pages dropped after the
 fsync (``dropped``), files removed only at the end (as a run keeps its segments until retention removes them).

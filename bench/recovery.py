@@ -362,7 +362,7 @@ DESIGN_NOTES = [
     "`workers=W` cuts the model's 64K-element chunks (parameter order) into W contiguous shares of about equal "
     "elements. After the snapshot is loaded (and, for a step-0 snapshot, after the first step has created the "
     "optimizer state), every parameter and per-element optimizer tensor is moved into one anonymous `MAP_SHARED` "
-    "mapping and W - 1 worker processes are forked (lowdiff/recovery/procs.py). Each process, the caller "
+    "mapping and W - 1 worker processes are forked (lowdiff/_recovery/procs.py). Each process, the caller "
     "included, reads only its tensors' columns of every segment (with one segment of read-ahead), decodes them "
     "and steps its own optimizer instance over its chunks through every step in order, in place. At the end a "
     "worker sends only its chunks' scalar state (Adam's `step`) and PowerSGD's newest Q through a pipe. A worker "

@@ -24,7 +24,7 @@ Protocol
    the same random stream for every policy (common random numbers). Waste = wall time - N*T.
    Approximation: after a restart the run re-enters the periodic schedule at its step phase (the writer's queue
    is assumed in its steady state, and snapshots not durable at the failure are not retaken).
-3. Policies: the tuner (lowdiff.tuner.solve on the measured costs); the best point of a grid over (F, B) with
+3. Policies: the tuner (lowdiff._persist.tuner.solve on the measured costs); the best point of a grid over (F, B) with
    F a multiple of B (then refined around the best point); CheckFreq's interval k = max(ceil((t_persist -
    t_stall) / T), 1), k += 2 while its simulated overhead exceeds 5 %, failure rate ignored; fixed F = 50, 100,
    500. Baselines get lowdiff's best batch size for their interval (the tuner's B with F fixed), so only the
@@ -55,18 +55,18 @@ import torch  # noqa: E402
 from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, pyplot, train_step, write_json  # noqa: E402
 
 import lowdiff  # noqa: E402
-from lowdiff.compressors.topk import k_for  # noqa: E402
-from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR  # noqa: E402
-from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
-from lowdiff.storage.snapshot import SnapshotState, write_snapshot  # noqa: E402
-from lowdiff.testing import intercept_writes, real_pwritev  # noqa: E402
-from lowdiff.tuner import (  # noqa: E402
+from lowdiff._compressors.topk import k_for  # noqa: E402
+from lowdiff._persist.tuner import (  # noqa: E402
     Costs,
     Limits,
     evaluate,
     fit_write_cost,  # noqa: E402
     solve,
 )
+from lowdiff._storage.format import LOG_DIR, SNAPSHOT_DIR  # noqa: E402
+from lowdiff._storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff._storage.snapshot import SnapshotState, write_snapshot  # noqa: E402
+from lowdiff.testing import intercept_writes, real_pwritev  # noqa: E402
 
 TOPK_RATIO = 0.01
 QUEUE_DEPTH = 4

@@ -41,10 +41,10 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from lowdiff.compressors import make_compressor  # noqa: E402
-from lowdiff.storage import atomic  # noqa: E402
-from lowdiff.storage.segment import StepRecord, write_segment  # noqa: E402
-from lowdiff.storage.trailer import crc32  # noqa: E402
+from lowdiff._compressors import make_compressor  # noqa: E402
+from lowdiff._storage import atomic  # noqa: E402
+from lowdiff._storage.segment import StepRecord, write_segment  # noqa: E402
+from lowdiff._storage.trailer import crc32  # noqa: E402
 from lowdiff.testing import intercept_writes, real_pwritev  # noqa: E402
 
 

@@ -98,7 +98,7 @@ class SnapshotConfig:
     """Keep only the newest N snapshots and the log they need (0 keeps everything)."""
     shadow: bool = False
     """Write snapshots from a CPU replica the background writer keeps in step with the log, so the training
-    thread never copies its state for them. CPU training and compressor none only (see lowdiff/shadow.py)."""
+    thread never copies its state for them. CPU training and compressor none only (see lowdiff/_persist/shadow.py)."""
     background_copy: bool = False
     """CPU training: copy a snapshot's parameters, optimizer and compressor state on a thread of its own while the
     next forward and backward passes run (``opt.step()`` waits for the copy before it changes them). Only if nothing

@@ -32,20 +32,27 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from lowdiff._storage.tensors import (
+    MT_WORDS,
+    NUMPY_TAIL,
+    PYTHON_TAIL,
+    RNG_CUDA_PREFIX,
+    RNG_NUMPY,
+    RNG_NUMPY_NBYTES,
+    RNG_PYTHON,
+    RNG_PYTHON_NBYTES,
+    RNG_TORCH,
+)
 from lowdiff.errors import CorruptFileError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
-TORCH = "torch"
-NUMPY = "numpy"
-PYTHON = "python"
-CUDA_PREFIX = "cuda/"
-
-_MT_WORDS = 624
-_NUMPY_TAIL = struct.Struct("<qqd")  # pos, has_gauss, cached_gaussian
-_PYTHON_TAIL = struct.Struct("<qd")  # has_gauss_next, gauss_next
-NUMPY_NBYTES = _MT_WORDS * 4 + _NUMPY_TAIL.size
-PYTHON_NBYTES = (_MT_WORDS + 1) * 4 + _PYTHON_TAIL.size
+# The sources and the sizes of their states are the format's (lowdiff._storage.tensors, which validates them).
+TORCH, NUMPY, PYTHON, CUDA_PREFIX = RNG_TORCH, RNG_NUMPY, RNG_PYTHON, RNG_CUDA_PREFIX
+NUMPY_NBYTES, PYTHON_NBYTES = RNG_NUMPY_NBYTES, RNG_PYTHON_NBYTES
+_MT_WORDS = MT_WORDS
+_NUMPY_TAIL = NUMPY_TAIL
+_PYTHON_TAIL = PYTHON_TAIL
 _PYTHON_WORDS = struct.Struct(f"<{_MT_WORDS + 1}I")
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lowdiff.storage import atomic
+from lowdiff._storage import atomic
 
 real_pwritev: Callable[[int, list[Any], int], int] = os.pwritev
 """The real gathered write: call it from a ``pwritev`` interceptor to let bytes through."""

@@ -27,9 +27,9 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lowdiff._training.optimizer import LowDiffOptimizer
 from lowdiff.data import ResumableLoader
 from lowdiff.errors import LowDiffError
-from lowdiff.optimizer import LowDiffOptimizer
 
 log = logging.getLogger(__name__)
 

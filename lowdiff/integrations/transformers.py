@@ -32,8 +32,8 @@ from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
 from lowdiff import rng as rng_state
+from lowdiff._training.optimizer import LowDiffOptimizer
 from lowdiff.errors import LowDiffError
-from lowdiff.optimizer import LowDiffOptimizer
 
 __all__ = ["LowDiffTrainer"]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.storage.format import list_segments, list_snapshots
-from lowdiff.storage.manifest import read_manifest
-from lowdiff.storage.snapshot import read_rank_state
+from lowdiff._storage.format import list_segments, list_snapshots
+from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.snapshot import read_rank_state
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -195,8 +195,8 @@ def test_powersgd_resume_at_snapshot_between_snapshots(tmp_path: Path) -> None:
 def test_auto_settings_rank0_decides_for_all(tmp_path: Path) -> None:
     """snapshot.every_steps / log.batch_steps auto on 2 ranks: rank 0's tuner decides, both ranks have the same
     values in force at every step, so every snapshot and segment is a complete 2-shard set; recovery is exact."""
-    from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, parse_segment_name, parse_snapshot_name
-    from lowdiff.tuner import DECISIONS_FILE
+    from lowdiff._persist.tuner import DECISIONS_FILE
+    from lowdiff._storage.format import LOG_DIR, SNAPSHOT_DIR, parse_segment_name, parse_snapshot_name
 
     steps = 400
     torchrun(2, str(tmp_path / "run"), "topk", str(steps), str(tmp_path / "ref.pt"), "--auto", timeout=240.0)
@@ -247,8 +247,8 @@ def test_auto_probe_is_broadcast(tmp_path: Path) -> None:
     it and both ranks put its settings in force at the same step (no snapshot, 8 steps per segment, cut at once),
     then the decision after it; every file is a complete 2-shard set, and nothing is lost: recovery is exact
     inside the probe, at its end and at the last step."""
-    from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR
-    from lowdiff.tuner import DECISIONS_FILE
+    from lowdiff._persist.tuner import DECISIONS_FILE
+    from lowdiff._storage.format import LOG_DIR, SNAPSHOT_DIR
 
     run = tmp_path / "run"
     run.mkdir()

@@ -15,7 +15,7 @@ import torch
 from test_ddp import torchrun as ddp_torchrun
 
 import lowdiff
-from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff._storage.format import list_segments, list_snapshots
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -61,7 +61,7 @@ def test_every_step_recovers_exactly_in_one_process(tmp_path: Path, compressor: 
 
     make_model().load_state_dict(rec.model)
     out = tmp_path / "state.pt"
-    proc = subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import recover_main; "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from lowdiff._recovery.cli import recover_main; "
                            "sys.exit(recover_main(sys.argv[1:]))", str(run), "--output", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

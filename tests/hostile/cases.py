@@ -222,7 +222,7 @@ def _huge_data_blob(c: Ctx) -> None:
     holder: dict[str, int] = {}
 
     def hook(h: h5py.File, index: bytes, data: bytes) -> None:
-        from lowdiff.storage.container import _allocate_data
+        from lowdiff._storage.container import _allocate_data
 
         _index(h, index)
         holder["offset"] = _allocate_data(h, 1 << 40)

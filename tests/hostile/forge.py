@@ -16,8 +16,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from lowdiff.storage import codecs
-from lowdiff.storage.container import _trailer
+from lowdiff._storage import codecs
+from lowdiff._storage.container import _trailer
 
 _TRAILER = struct.Struct("<8sQQQI4x")
 
@@ -78,7 +78,7 @@ def load(path: Path) -> Forged:
 
 
 def codecs_itemsize(dtype: Any) -> int:
-    from lowdiff.storage.format import DTYPES
+    from lowdiff._storage.format import DTYPES
 
     return DTYPES[dtype].itemsize if isinstance(dtype, str) and dtype in DTYPES else 1
 

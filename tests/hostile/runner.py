@@ -35,7 +35,7 @@ from lowdiff_harness import Scenario, assert_state_equal, train_run  # noqa: E40
 
 import lowdiff  # noqa: E402
 from lowdiff import errors  # noqa: E402
-from lowdiff.recovery import cli  # noqa: E402
+from lowdiff._recovery import cli  # noqa: E402
 
 CASE_TIMEOUT_S = float(os.environ.get("LOWDIFF_FORGED_TIMEOUT_S", "60"))
 ADDRESS_SPACE_HEADROOM_BYTES = 1 << 30

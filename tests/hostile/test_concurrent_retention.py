@@ -10,9 +10,9 @@ import pytest
 from lowdiff_harness import Scenario, Trainer, assert_state_equal, make_model, make_optimizer, train_run
 
 import lowdiff
+from lowdiff._recovery import ReplayOptions
+from lowdiff._storage.format import list_snapshots
 from lowdiff.errors import FileVanishedError
-from lowdiff.recovery import ReplayOptions
-from lowdiff.storage.format import list_snapshots
 
 SCENARIO = Scenario(model="mlp_bn", optimizer="adamw", compressor="topk", ratio=0.25, every_steps=3, batch_steps=2,
                     scheduler=False)

@@ -14,13 +14,13 @@ from forge import load, rewrite
 from lowdiff_harness import Scenario, start, train_run
 
 import lowdiff
+from lowdiff._recovery.compact import snapshot_from_recovered
+from lowdiff._recovery.verify import verify
+from lowdiff._storage.format import Shard, list_segments, list_snapshots
+from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.segment import SegmentReader
+from lowdiff._storage.snapshot import SnapshotState, read_rank_state, read_snapshot, write_snapshot
 from lowdiff.errors import CorruptFileError
-from lowdiff.recovery.compact import snapshot_from_recovered
-from lowdiff.recovery.verify import verify
-from lowdiff.storage.format import Shard, list_segments, list_snapshots
-from lowdiff.storage.manifest import read_manifest
-from lowdiff.storage.segment import SegmentReader
-from lowdiff.storage.snapshot import SnapshotState, read_rank_state, read_snapshot, write_snapshot
 
 SCENARIO = Scenario(compressor="topk", ratio=0.25, batch_steps=3, every_steps=100)
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from lowdiff.compressors import decode_payload, topk
+from lowdiff._compressors import decode_payload, topk
+from lowdiff._storage import format as fmt
+from lowdiff._storage.container import ContainerReader, EntryIn, write_container
+from lowdiff._storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
+from lowdiff._storage.safe_io import open_regular, read_bounded
+from lowdiff._storage.validate import check_belongs, check_group, decoded_defaults
 from lowdiff.errors import CorruptFileError, FileVanishedError, ForeignFileError, LowDiffError, UnsafeFileError
-from lowdiff.storage import format as fmt
-from lowdiff.storage.container import ContainerReader, EntryIn, write_container
-from lowdiff.storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
-from lowdiff.storage.safe_io import open_regular, read_bounded
-from lowdiff.storage.validate import check_belongs, check_group, decoded_defaults
 
 
 def _member(tmp_path: Path) -> Path:

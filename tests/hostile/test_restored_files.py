@@ -17,8 +17,8 @@ import torch
 from lowdiff_harness import Scenario, Trainer, assert_state_equal, start, train_run
 
 import lowdiff
-from lowdiff.recovery.verify import verify
-from lowdiff.storage.manifest import read_manifest
+from lowdiff._recovery.verify import verify
+from lowdiff._storage.manifest import read_manifest
 
 SCENARIO = Scenario(compressor="topk", ratio=0.25, every_steps=5, batch_steps=3)
 
@@ -165,7 +165,7 @@ def test_a_resume_at_the_latest_step_keeps_every_file_readable(tmp_path: Path, p
 def test_compaction_after_a_rollback_writes_its_snapshot_into_the_current_history(tmp_path: Path) -> None:
     """``lowdiff compact`` stamps the snapshot it writes with the branch whose span holds its step: with every
     older file deleted (keep 1), recovery has that snapshot alone."""
-    from lowdiff.recovery.compact import compact
+    from lowdiff._recovery.compact import compact
 
     run = tmp_path / "run"
     train_run(SCENARIO, run, 12)
@@ -178,7 +178,7 @@ def test_compaction_after_a_rollback_writes_its_snapshot_into_the_current_histor
 def test_compact_keep_refuses_while_recovery_steps_around_a_file(tmp_path: Path) -> None:
     """Retention counts snapshots by name: with the discarded history's snapshot 25 put back, `compact --keep 1`
     kept it as the newest and deleted every file of the current history."""
-    from lowdiff.recovery.compact import compact
+    from lowdiff._recovery.compact import compact
 
     run = tmp_path / "run"
     train_run(SCENARIO, run, 26)

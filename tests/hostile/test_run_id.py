@@ -15,9 +15,9 @@ from forge import load
 from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
-from lowdiff.recovery.verify import verify
-from lowdiff.storage.format import list_segments, list_snapshots
-from lowdiff.storage.manifest import read_manifest, run_id_from_ints, run_id_to_ints, shared_run_id
+from lowdiff._recovery.verify import verify
+from lowdiff._storage.format import list_segments, list_snapshots
+from lowdiff._storage.manifest import read_manifest, run_id_from_ints, run_id_to_ints, shared_run_id
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden-2.0"
 GOLDEN_SCENARIO = Scenario(model="mlp_bn", optimizer="sgd", groups=2, compressor="topk", ratio=0.25, batch_steps=3,
@@ -51,7 +51,7 @@ def test_resume_and_compact_keep_the_run_id(tmp_path: Path) -> None:
     t = start(Scenario(), run)
     t.train(5, 8)
     t.opt.close()
-    from lowdiff.recovery.compact import compact
+    from lowdiff._recovery.compact import compact
 
     compact(run, step=7)
     assert {meta["run_id"] for meta in _metas(run)} == {run_id}

@@ -20,7 +20,7 @@ def test_slow_disk_blocks_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFix
                        {"run_dir": str(tmp_path / "run"),
                         "log": {"batch_steps": 1, "queue_depth": 1, "backpressure_warn_s": 0.1}})
     slow_disk = intercept_writes(before_commit=lambda path: time.sleep(0.05))
-    with slow_disk, caplog.at_level(logging.WARNING, logger="lowdiff.optimizer"):
+    with slow_disk, caplog.at_level(logging.WARNING, logger="lowdiff._training.optimizer"):
         for _ in range(12):
             model(torch.randn(3, 4)).sum().backward()
             opt.step()

@@ -16,7 +16,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, loss_for, make_model, train_run
 
 import lowdiff
-from lowdiff.recovery import cli
+from lowdiff._recovery import cli
 
 STEPS = 9
 SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
@@ -37,7 +37,7 @@ def run(pristine, tmp_path: Path):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import main; "
+    return subprocess.run([sys.executable, "-c", "import sys; from lowdiff._recovery.cli import main; "
                            "sys.exit(main(sys.argv[1:]))", *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -160,7 +160,7 @@ def test_a_run_of_an_optimizer_outside_torch_optim_needs_and_takes_optimizer_cla
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import main; "
+        return subprocess.run([sys.executable, "-c", "import sys; from lowdiff._recovery.cli import main; "
                                "sys.exit(main(sys.argv[1:]))", *args], capture_output=True, text=True, timeout=120,
                               env=env)
 
@@ -204,7 +204,7 @@ opt.close()
                        timeout=120)
     assert p.returncode == 0, p.stderr
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-c", "import sys; from lowdiff.recovery.cli import recover_main; "
+    p = subprocess.run([sys.executable, "-c", "import sys; from lowdiff._recovery.cli import recover_main; "
                         "sys.exit(recover_main(sys.argv[1:]))", str(root), "--optimizer-class", "my_optim:MySGD"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr

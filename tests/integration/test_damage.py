@@ -14,8 +14,8 @@ import pytest
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
-from lowdiff.storage.container import ContainerReader
-from lowdiff.storage.manifest import read_manifest
+from lowdiff._storage.container import ContainerReader
+from lowdiff._storage.manifest import read_manifest
 
 STEPS = 10
 # Snapshots 0, 4, 8; segments 1-3, 4-6, 7-9, 10-10.

@@ -18,7 +18,7 @@ import pytest
 from lowdiff_harness import SLOW, Scenario, assert_state_equal, start, train_run
 
 import lowdiff
-import lowdiff.storage.format
+import lowdiff._storage.format
 
 CHILD = Path(__file__).with_name("kill9_child.py")
 STEPS = 40
@@ -99,7 +99,7 @@ def test_sigkill_then_recover_is_exact(tmp_path: Path, reference, kill_after: in
         try:
             r = lowdiff.recover(run_dir, step=k, workers=1)
         except lowdiff.StepNotAvailableError:
-            later = [s for s in lowdiff.storage.format.list_snapshots(run_dir) if s > k]
+            later = [s for s in lowdiff._storage.format.list_snapshots(run_dir) if s > k]
             assert later and later[0] - k < SCENARIO.batch_steps, f"{note}: step {k} lost"
             continue
         assert_state_equal(*reference.refs[k], r)

@@ -22,9 +22,9 @@ from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
 import lowdiff.testing
-from lowdiff.packing import KNOWN_LAYOUTS
-from lowdiff.storage.format import list_snapshots
-from lowdiff.storage.lock import wait_for_persistence
+from lowdiff._storage.format import list_snapshots
+from lowdiff._storage.lock import wait_for_persistence
+from lowdiff._transfer.packing import KNOWN_LAYOUTS
 
 CHILD = Path(__file__).with_name("kill9_child.py")
 STEPS = 40
@@ -129,7 +129,8 @@ def test_trainer_death_loses_no_returned_step(tmp_path: Path, reference, sig: in
     """``group``: the signal goes to the trainer's process group (torchrun's SIGTERM, then SIGKILL, to the other
     ranks of a failed job; a Ctrl-C in the terminal): the persistence process, in a session of its own, gets none.
     SIGTERM right after step 2 reaches it, if it were in the group, while it still imports torch, before it ignores
-    SIGTERM. SIGINT: the KeyboardInterrupt ends the trainer (raised outside lowdiff's code, lowdiff/lifecycle.py)."""
+    SIGTERM. SIGINT: the KeyboardInterrupt ends the trainer (raised outside lowdiff's code,
+    lowdiff/_training/lifecycle.py)."""
     _death_loses_no_returned_step(tmp_path / "run", reference, sig, kill_after, SCENARIO, group)
 
 
@@ -237,7 +238,8 @@ def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tm
         disk.step()
     with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
         disk.opt.flush()
-    (child,) = [c for c in _descendants(os.getpid()) if "persist_child" in Path(f"/proc/{c}/cmdline").read_text()]
+    (child,) = [c for c in _descendants(os.getpid())
+                if "lowdiff._persist.child" in Path(f"/proc/{c}/cmdline").read_text()]
     os.kill(child, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while not _gone(child):
@@ -710,7 +712,7 @@ def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path:
 _SNAPSHOT_FAILS_MID_SEGMENT = """
 import errno, sys, torch
 import lowdiff, lowdiff.testing
-import lowdiff.persist_process as pp
+import lowdiff._persist.process_writer as pp
 pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
@@ -739,7 +741,7 @@ def test_a_failed_snapshot_write_gives_the_open_segments_slots_back(tmp_path: Pa
 _SNAPSHOT_STAGING_INTERRUPTED = """
 import sys, torch
 import lowdiff
-import lowdiff.persist_process as pp
+import lowdiff._persist.process_writer as pp
 pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
 
 def train(run_dir, persistence, interrupt_at):
@@ -824,7 +826,7 @@ _SNAPSHOT_COPIES_IN_FLIGHT = """
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[3])
 from lowdiff_harness import Scenario, start
-import lowdiff.staging
+import lowdiff._transfer.host_copies
 
 # A snapshot's copies "in flight" as on a GPU (a CUDA event the copies complete at): done after `polls` queries,
 # or at once when synchronize() is called, which counts as the training thread waiting for them.
@@ -842,11 +844,11 @@ class InFlight:
             waited.append(self.left)
         self.left = -1
 
-real_pack = lowdiff.staging.HostCopier.pack
+real_pack = lowdiff._transfer.host_copies.HostCopier.pack
 def pack(self, layout, tensors, buf):
     ready = real_pack(self, layout, tensors, buf)
     return InFlight() if all(key == ("", "") for key in layout.keys) else ready  # a snapshot's layout
-lowdiff.staging.HostCopier.pack = pack
+lowdiff._transfer.host_copies.HostCopier.pack = pack
 
 t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])
 for k in range(1, last + 1):
@@ -885,16 +887,16 @@ def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: 
 @pytest.fixture
 def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every copy on a copier's thread (a CPU snapshot's) takes 0.3 s longer."""
-    import lowdiff.staging
+    import lowdiff._transfer.host_copies
 
-    real = lowdiff.staging.pack_host
+    real = lowdiff._transfer.host_copies.pack_host
 
     def slow(*args: object) -> None:
-        if lowdiff.staging.on_copy_thread():
+        if lowdiff._transfer.host_copies.on_copy_thread():
             time.sleep(0.3)
         real(*args)
 
-    monkeypatch.setattr(lowdiff.staging, "pack_host", slow)
+    monkeypatch.setattr(lowdiff._transfer.host_copies, "pack_host", slow)
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])
@@ -943,13 +945,13 @@ def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, slo
 
 _COPY_INTERRUPTED = """
 import copy, os, signal, sys, threading, time
-import torch, lowdiff, lowdiff.staging
-real = lowdiff.staging.pack_host
+import torch, lowdiff, lowdiff._transfer.host_copies
+real = lowdiff._transfer.host_copies.pack_host
 def slow(*a):
-    if lowdiff.staging.on_copy_thread():
+    if lowdiff._transfer.host_copies.on_copy_thread():
         time.sleep(3.0 if how == "close" else 1.0)  # the copy outlasts the close
     real(*a)
-lowdiff.staging.pack_host = slow
+lowdiff._transfer.host_copies.pack_host = slow
 run_dir, persistence, how = sys.argv[1:4]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))

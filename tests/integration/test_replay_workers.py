@@ -1,4 +1,4 @@
-"""Replay worker processes (lowdiff/recovery/procs.py): forked only when that is safe, their failures reach the
+"""Replay worker processes (lowdiff/_recovery/procs.py): forked only when that is safe, their failures reach the
 caller, and any number of them gives the one-process result bit for bit."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, train_run
 
 import lowdiff
-from lowdiff.recovery import ReplayOptions, procs
+from lowdiff._recovery import ReplayOptions, procs
 
 SCENARIO = Scenario(model="branch", optimizer="adamw", groups=2, clip=True, compressor="topk", ratio=0.25,
                     batch_steps=3, every_steps=4)

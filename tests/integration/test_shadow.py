@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.storage.format import list_snapshots
-from lowdiff.storage.manifest import read_manifest
-from lowdiff.storage.snapshot import read_snapshot
+from lowdiff._storage.format import list_snapshots
+from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.snapshot import read_snapshot
 
 
 def _train(run_dir: Path, steps: int, shadow: bool, *, every: int = 4, batch: int = 3,

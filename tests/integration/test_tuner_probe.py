@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.storage.format import list_segments, list_snapshots
+from lowdiff._persist.tuner import DECISIONS_FILE, PROBE_BATCH_STEPS, PROBE_STEPS, format_decisions
+from lowdiff._storage.format import list_segments, list_snapshots
 from lowdiff.testing import intercept_writes
-from lowdiff.tuner import DECISIONS_FILE, PROBE_BATCH_STEPS, PROBE_STEPS, format_decisions
 
 
 def test_probe_measures_alpha_and_loses_nothing(tmp_path: Path, request: pytest.FixtureRequest) -> None:

@@ -1,4 +1,4 @@
-"""The fast replay path (lowdiff/recovery/replayer.py): tensors cut into chunks stepped by one optimizer entry
+"""The fast replay path (lowdiff/_recovery/replayer.py): tensors cut into chunks stepped by one optimizer entry
 each, spread over worker threads, Adam's sqrt without torch's slow path on zeros. All of it must stay bit-exact:
 tiny chunks here split every tensor of the test models, as 64 K chunks split a real model's."""
 
@@ -12,8 +12,8 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, loss_for, make_model, train_run
 
 import lowdiff
-from lowdiff.recovery import ReplayOptions
-from lowdiff.recovery.exact_sqrt import FastSqrtState, exact_sqrt
+from lowdiff._recovery import ReplayOptions
+from lowdiff._recovery.exact_sqrt import FastSqrtState, exact_sqrt
 
 TINY = ReplayOptions(chunk_elems=64, sqrt_min_elems=1)
 """Chunks that split every tensor of the test models, as 64 K chunks split a real model's."""

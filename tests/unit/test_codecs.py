@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lowdiff import CorruptFileError
-from lowdiff.storage import codecs
+from lowdiff._storage import codecs
 
 CODECS = list(codecs.CODECS)  # none, lz4, zstd and the byte-shuffling variants
 
@@ -75,7 +75,7 @@ def test_codec_packages_are_imported_only_when_used() -> None:
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import lowdiff\n"
-        "from lowdiff.storage import codecs\n"
+        "from lowdiff._storage import codecs\n"
         "assert bytes(codecs.decode('none', codecs.encode('none', b'abc'), 3, 'w')) == b'abc'\n"
         "for c in ('lz4', 'zstd', 'shuffle-lz4'):\n"
         "    try:\n"

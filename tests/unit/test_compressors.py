@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowdiff import CorruptFileError
-from lowdiff.compressors import decode_payload, make_compressor, powersgd, topk
-from lowdiff.compressors.identity import IdentityCompressor
+from lowdiff._compressors import decode_payload, make_compressor, powersgd, topk
+from lowdiff._compressors.identity import IdentityCompressor
 
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
 ratios = st.sampled_from([0.01, 0.1, 0.3, 0.5, 0.99, 1.0])

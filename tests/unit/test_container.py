@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lowdiff import CorruptFileError
-from lowdiff.storage import atomic, codecs
-from lowdiff.storage.container import ContainerReader, EntryIn, write_container
+from lowdiff._storage import atomic, codecs
+from lowdiff._storage.container import ContainerReader, EntryIn, write_container
 
 CODECS = list(codecs.CODECS)
 DTYPES = {"param/a": "float32", "param/b": "int64", "optim/a/step": "float32", "empty": "uint8"}
@@ -165,7 +165,7 @@ def test_wrong_kind_version_and_missing(tmp_path: Path) -> None:
         ContainerReader(path, "snapshot")
     # ...while a well-formed file from a newer format version is refused with advice.
     newer = tmp_path / "newer.h5"
-    import lowdiff.storage.container as container_mod
+    import lowdiff._storage.container as container_mod
 
     real = container_mod.FORMAT_VERSION
     container_mod.FORMAT_VERSION = 99

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lowdiff import CorruptFileError
-from lowdiff.storage import format as fmt
+from lowdiff._storage import format as fmt
 
 SCALAR_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool]

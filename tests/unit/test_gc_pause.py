@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from lowdiff.gc_pause import collector_paused
+from lowdiff._persist.gc_pause import collector_paused
 
 
 @pytest.fixture(autouse=True)

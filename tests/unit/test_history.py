@@ -1,4 +1,4 @@
-"""The run's history (format 2.4, lowdiff.storage.history): which steps the files of each branch may hold, and the
+"""The run's history (format 2.4, lowdiff._storage.history): which steps the files of each branch may hold, and the
 manifest's record of it read as untrusted input."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from lowdiff._storage import history
+from lowdiff._storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
+from lowdiff._storage.validate import check_belongs
 from lowdiff.errors import CorruptFileError, ForeignFileError
-from lowdiff.storage import history
-from lowdiff.storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
-from lowdiff.storage.validate import check_belongs
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 
@@ -90,7 +90,7 @@ def test_a_resume_rewrites_the_history_alone(tmp_path: Path) -> None:
     import json
     import zlib
 
-    from lowdiff.storage.manifest import write_history
+    from lowdiff._storage.manifest import write_history
 
     def _crc(body: dict) -> int:  # FORMAT.md section 2
         return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lowdiff._storage import layout
+from lowdiff._storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
 from lowdiff.errors import CorruptFileError
-from lowdiff.storage import layout
-from lowdiff.storage.manifest import Manifest, TensorSpec, read_manifest, write_manifest
 
 
 @given(st.integers(0, 300), st.integers(1, 9))
@@ -96,7 +96,7 @@ def test_a_sharded_run_of_a_coupled_optimizer_is_refused(tmp_path: Path) -> None
 
 
 def test_split_cuts_a_whole_snapshot_back_into_shards() -> None:
-    from lowdiff.storage.snapshot import SnapshotState
+    from lowdiff._storage.snapshot import SnapshotState
 
     m = _manifest(2)
     w, b = torch.randn(5, 3), torch.randn(1)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from lowdiff.staging import Staged
-from lowdiff.storage.format import LOG_DIR, SNAPSHOT_DIR, list_segments
-from lowdiff.storage.run_dir import RetentionPolicy, RunDir
-from lowdiff.storage.segment import StepRecord
-from lowdiff.writer import BackgroundWriter
+from lowdiff._persist.thread_writer import BackgroundWriter
+from lowdiff._storage.format import LOG_DIR, SNAPSHOT_DIR, list_segments
+from lowdiff._storage.run_dir import RetentionPolicy, RunDir
+from lowdiff._storage.segment import StepRecord
+from lowdiff._transfer.host_copies import Staged
 
 
 class _Gate:
@@ -90,7 +90,7 @@ def test_a_snapshot_that_arrives_after_dropped_records_does_not_resume_the_log(t
     import errno
 
     import lowdiff.testing
-    from lowdiff.storage.snapshot import SnapshotState
+    from lowdiff._storage.snapshot import SnapshotState
 
     for d in (LOG_DIR, SNAPSHOT_DIR):
         (tmp_path / d).mkdir()

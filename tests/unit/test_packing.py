@@ -1,5 +1,5 @@
-"""lowdiff.packing: a step's tensors packed into one host buffer and read back as views, bit for bit; the layout
-is reused while nothing changes and replaced when anything does; the layouts a persistence process keeps are
+"""lowdiff._transfer.packing: a step's tensors packed into one host buffer and read back as views, bit for bit; the
+layout is reused while nothing changes and replaced when anything does; the layouts a persistence process keeps are
 bounded."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowdiff.packing import KNOWN_LAYOUTS, StepPacker, pack_host, remember, unpack
+from lowdiff._storage.packed import unpack
+from lowdiff._transfer.packing import KNOWN_LAYOUTS, StepPacker, pack_host, remember
 
 
 def _step(k: int) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
@@ -80,12 +81,12 @@ def test_tensors_of_every_shape_and_stride_read_back_bit_for_bit() -> None:
 
 
 def test_a_step_packed_from_its_compressors_flats_is_the_same_bytes() -> None:
-    """Top-k payloads written one after the other into flats (lowdiff.compressors.base.StepPayloads) and packed by
+    """Top-k payloads written one after the other into flats (lowdiff._compressors.base.StepPayloads) and packed by
     copying those, with changed buffers that share their regions (a float32 1-D buffer after the values, an int32
     one after the indices) and one that does not (a 0-d int64): the same bytes as packing every tensor, and the
     same wire."""
-    from lowdiff.compressors import make_compressor
-    from lowdiff.packing import from_flats, layout_of
+    from lowdiff._compressors import make_compressor
+    from lowdiff._transfer.packing import from_flats, layout_of
 
     comp = make_compressor("topk", ratio=0.1)
     grads = {"w": torch.randn(30, 20), "b": torch.randn(20), "h": torch.randn(16).to(torch.bfloat16)}

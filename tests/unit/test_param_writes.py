@@ -1,11 +1,11 @@
-"""lowdiff.param_writes: the watch of parameters and optimizer state between two steps, on state an optimizer other
-than torch's may keep (lists of tensors, NaN scalars) and on what it must report."""
+"""lowdiff._training.param_writes: the watch of parameters and optimizer state between two steps, on state an optimizer
+other than torch's may keep (lists of tensors, NaN scalars) and on what it must report."""
 
 from __future__ import annotations
 
 import torch
 
-from lowdiff.param_writes import WriteWatch
+from lowdiff._training.param_writes import WriteWatch
 
 
 def _optimizer() -> tuple[torch.optim.Optimizer, torch.nn.Parameter, torch.nn.Parameter]:

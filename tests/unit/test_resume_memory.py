@@ -1,5 +1,5 @@
-"""Which compressor memory a rank resumes with (lowdiff.resume.compressor_state), and what it says when the log
-cannot give it back exactly."""
+"""Which compressor memory a rank resumes with (lowdiff._training.resume.compressor_state), and what it says when the
+log cannot give it back exactly."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from lowdiff.compressors import make_compressor
-from lowdiff.recovery import Recovered, RecoveryReport
-from lowdiff.resume import compressor_state
+from lowdiff._compressors import make_compressor
+from lowdiff._recovery import Recovered, RecoveryReport
+from lowdiff._training.resume import compressor_state
 
 PARAMS = {"w": torch.zeros(4, 3)}
 Q = {"w": {"q": torch.ones(3, 1)}}

@@ -1,4 +1,5 @@
-"""lowdiff.staging on the CPU: owned copies of live tensors, pooled buffers handed back only when released."""
+"""lowdiff._transfer.host_copies on the CPU: owned copies of live tensors, pooled buffers handed back only when
+released."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from lowdiff_harness import Scenario, assert_state_equal, start, train_run
 
 import lowdiff
-from lowdiff.staging import HostCopier, HostPool
+from lowdiff._transfer.host_copies import HostCopier, HostPool
 
 
 def test_cpu_stage_copies_live_tensors_and_keeps_fresh_ones() -> None:

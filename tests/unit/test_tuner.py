@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lowdiff import Config, ConfigError
-from lowdiff.tuner import (
+from lowdiff._persist.tuner import (
     CLOSEST_MARGIN,
     PROBE_BATCH_STEPS,
     PROBE_STEPS,
@@ -329,7 +329,7 @@ def test_autotuner_decides_then_retunes_on_drift_both_ways(caplog: pytest.LogCap
     clock = FakeClock()
     t = _tuner_with_data(clock, 0.1)
     assert t.current() == (128, 16)  # bootstrap until measured
-    with caplog.at_level(logging.INFO, logger="lowdiff.tuner.auto"):
+    with caplog.at_level(logging.INFO, logger="lowdiff._persist.tuner.auto"):
         d0 = t.update(32)
     assert d0 is not None and d0.reason == "initial" and t.current() == (d0.every_steps, d0.batch_steps)
     assert "T=100 ms" in caplog.text and f"every_steps={d0.every_steps}" in caplog.text
@@ -584,8 +584,8 @@ def test_auto_end_to_end(tmp_path) -> None:
     import torch
 
     import lowdiff
-    from lowdiff.storage.format import list_snapshots
-    from lowdiff.tuner import DECISIONS_FILE
+    from lowdiff._persist.tuner import DECISIONS_FILE
+    from lowdiff._storage.format import list_snapshots
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -629,10 +629,10 @@ def test_auto_end_to_end(tmp_path) -> None:
 
 def test_auto_refused_for_sharded_writes_without_a_process_group() -> None:
     """Several writing ranks need rank 0's decisions broadcast (tests/distributed checks that path)."""
+    from lowdiff._persist.tuner.policy import TunedPolicy
+    from lowdiff._storage.format import Shard
+    from lowdiff._storage.run_dir import RunDir
     from lowdiff.errors import UnsupportedError
-    from lowdiff.storage.format import Shard
-    from lowdiff.storage.run_dir import RunDir
-    from lowdiff.tuner.policy import TunedPolicy
 
     cfg = Config.from_dict({"run_dir": "r", "snapshot": {"every_steps": "auto"}})
     with pytest.raises(UnsupportedError, match="auto"):

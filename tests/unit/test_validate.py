@@ -1,13 +1,13 @@
-"""The manifest's optimizer defaults as read from a run directory (lowdiff.storage.validate, FORMAT.md section 8):
+"""The manifest's optimizer defaults as read from a run directory (lowdiff._storage.validate, FORMAT.md section 8):
 what real optimizers are built with passes, shapes no optimizer has are refused."""
 
 from __future__ import annotations
 
 import pytest
 
+from lowdiff._storage.format import encode_value
+from lowdiff._storage.validate import check_group, decoded_defaults
 from lowdiff.errors import CorruptFileError
-from lowdiff.storage.format import encode_value
-from lowdiff.storage.validate import check_group, decoded_defaults
 
 
 def _enc(defaults: dict) -> dict:

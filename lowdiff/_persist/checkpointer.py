@@ -1,0 +1,275 @@
+"""The checkpointer: every staged step record to the writer, and a full snapshot when the policy says.
+
+Path of one step, top down: the wrapper stages the record (:mod:`lowdiff._training.stager`) and calls :meth:`on_step`;
+the checkpointer asks its :class:`~lowdiff._persist.snapshot_policy.SnapshotPolicy` whether this step is a snapshot step
+and hands record and snapshot to the :class:`~lowdiff._persist.thread_writer.BackgroundWriter`, which commits them
+through the :class:`~lowdiff._storage.run_dir.RunDir`. Nothing below calls back up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lowdiff._persist.coordinator import Coordinator
+from lowdiff._persist.snapshot_policy import FixedInterval, SnapshotPolicy
+from lowdiff._persist.thread_writer import BackgroundWriter, WriterStats
+from lowdiff._storage.run_dir import RetentionPolicy, RunDir
+from lowdiff._storage.segment import StepRecord
+from lowdiff._storage.snapshot import SnapshotState
+from lowdiff._transfer.host_copies import Staged
+from lowdiff.config import Config, resolve_codec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointStats:
+    """What the checkpointer has done so far in this process (``opt.stats``); a reading, not a live view.
+
+    Counters cover the writer started by ``wrap()`` / ``resume()`` in this process."""
+
+    durable_step: int
+    """The newest step guaranteed on disk."""
+    steps_committed: int
+    """Steps in the log segments committed so far."""
+    segments: int
+    snapshots: int
+    log_bytes: int
+    snapshot_bytes: int
+    write_s: float
+    """Time the writer spent writing and committing files."""
+    blocked_s: float
+    """Time training waited because the writer's queue was full (the disk is slower than the log grows)."""
+    steps_skipped: int
+    """``log.when_behind: replica``: steps left out of the log because the disk was behind (a snapshot of the
+    persistence process's replica covers each of them); 0 otherwise."""
+    queued: int
+    """Items waiting in the writer's queue now."""
+    every_steps: int
+    """Snapshot interval in force (the tuner's current choice under ``auto``)."""
+    batch_steps: int
+    """Steps per log segment in force (the tuner's current choice under ``auto``)."""
+    last_snapshot_step: int
+    shadow: bool
+    """Whether snapshots are written from the shadow replica (``snapshot.shadow``, still healthy)."""
+    tuner_probing: bool
+    """Whether a tuner probe of the writer's interference is in force."""
+    tuner_settled: bool
+    """Whether the snapshot interval and batch size stand: fixed ones always; under ``auto``, decided with nothing
+    left to measure (no probe in force, no decision waiting for the writer's interference). Time only settled
+    steps in a benchmark."""
+    tuner_decisions: tuple[Any, ...]
+    """The tuner's decisions in this process (:class:`lowdiff._persist.tuner.Decision`), oldest first."""
+    write_error: str | None
+    """The background write failure in force (the log is not being written until the next snapshot commits),
+    or None."""
+    writer_cpu_s: float = 0.0
+    """CPU time the writer has used so far: the writer thread's, or the whole persistence process's with
+    ``log.persistence: process`` (as of its last report: every commit, and every ``flush()``)."""
+    host_buffers_reused: int = 0
+    """Step records staged into reused host buffers (compressor none on the CPU) instead of fresh allocations."""
+    snapshot_buffers_reused: int = 0
+    """Snapshots staged into the host buffers of an earlier, persisted snapshot."""
+    layerwise: LayerwiseStats | None = None
+    """Layer-wise capture (``log.capture: layerwise``), None when gradients are copied in step()."""
+
+
+@dataclass(frozen=True)
+class LayerwiseStats:
+    hits: int
+    """Gradients taken from the copies the hooks made during backward."""
+    misses: int
+    """Gradients copied again in step() because they changed after their hook ran (clipping, accumulation)."""
+    active: bool
+    """False once the hooks were removed as useless (gradients changed after backward, step after step)."""
+
+
+def make_policy(config: Config, run_dir: RunDir, coordinator: Coordinator | None,
+                record_bytes_hint: float | None) -> SnapshotPolicy:
+    if config.snapshot.every_steps == "auto" or config.log.batch_steps == "auto":
+        from lowdiff._persist.tuner.policy import TunedPolicy
+
+        return TunedPolicy(config, run_dir, coordinator=coordinator, record_bytes_hint=record_bytes_hint)
+    return FixedInterval(int(config.snapshot.every_steps), int(config.log.batch_steps))
+
+
+class Checkpointer:
+    """Owns the writer and the snapshot policy while training. Call order: :meth:`start` (after the run directory
+    holds a committed snapshot), then per step :meth:`check` (before the inner step), :meth:`needs_capture` and
+    :meth:`on_step`; :meth:`flush` / :meth:`close` at the end."""
+
+    def __init__(self, config: Config, run_dir: RunDir, policy: SnapshotPolicy) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.policy = policy
+        self.retention = RetentionPolicy(config.snapshot.keep)
+        self._writer: BackgroundWriter | None = None
+        self._last_submitted = 0
+
+    def start(self, durable_step: int, shadow: Any = None) -> None:
+        cfg = self.config
+        self.policy.start(durable_step)
+        self._last_submitted = durable_step
+        cls: Any = BackgroundWriter
+        if cfg.log.persistence == "process":
+            from lowdiff._persist.process_writer import ProcessWriter
+
+            cls = ProcessWriter
+        self._writer = cls(self.run_dir, batch_steps=self.policy.batch_steps,
+                           codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
+                           compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
+                           retention=self.retention, durable_step=durable_step, shadow=shadow,
+                           when_behind=cfg.log.when_behind)
+
+    def restart(self, shadow: Any) -> None:
+        """A new writer from step 0 with this shadow replica (snapshot 0 was written again before the first step);
+        nothing has been handed to the old one."""
+        if self._writer is not None:
+            self._writer.close()
+            self.check()
+        self.start(durable_step=0, shadow=shadow)
+
+    @property
+    def slots(self) -> Any:
+        """Where the stager packs step records (lowdiff._training.stager.Slots): the writer's host buffers or ring."""
+        return self._writer.slots if self._writer is not None else None
+
+    def on_writer_thread(self) -> bool:
+        """Whether the caller runs on the background writer's thread."""
+        return self._writer is not None and self._writer.on_thread()
+
+    @property
+    def writer_stats(self) -> WriterStats:
+        return self._writer.stats if self._writer else WriterStats()
+
+    @property
+    def durable_step(self) -> int:
+        return self._writer.durable_step if self._writer else 0
+
+    def stats(self) -> CheckpointStats:
+        st, pol = self.writer_stats, self.policy
+        return CheckpointStats(
+            durable_step=self.durable_step, steps_committed=st.log_steps, segments=st.segments,
+            snapshots=st.snapshots, log_bytes=st.log_bytes, snapshot_bytes=st.snapshot_bytes, write_s=st.write_s,
+            blocked_s=st.blocked_s, steps_skipped=st.steps_skipped, queued=self._writer.queued if self._writer else 0,
+            every_steps=pol.every_steps, batch_steps=pol.batch_steps, last_snapshot_step=pol.last_snapshot_step,
+            shadow=bool(self._writer and self._writer.shadow_ok), tuner_probing=pol.probing, tuner_settled=pol.settled,
+            tuner_decisions=pol.decisions, writer_cpu_s=st.cpu_s,
+            write_error=str(err) if (err := self._writer.error if self._writer else None) is not None else None)
+
+    def needs_capture(self, step: int) -> bool:
+        """Whether the wrapper must stage a snapshot of its state at ``step`` (a snapshot step that the shadow
+        replica does not provide)."""
+        return (self._writer is not None and self.policy.wants_snapshot(step)
+                and not self._writer.shadow_ok)
+
+    def on_hold(self, record: Staged[StepRecord], *, keep_if_orphaned: bool) -> None:
+        """``opt.step()`` has applied the step of ``record``; its iteration has not ended. A persistence process
+        takes the record now (so a crash of the training process cannot lose it); a writer thread at
+        :meth:`on_step`."""
+        submit = getattr(self._writer, "submit_early", None)
+        if submit is not None:
+            submit(record, keep_if_orphaned)
+
+    def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
+        """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process
+        that holds the record, and would commit it as it is if the training process died now, gets the new state
+        at once; a writer thread sees it when the iteration ends."""
+        retake = getattr(self._writer, "retake_rng", None)
+        if retake is not None:
+            retake(record)
+
+    def on_drop(self, step: int) -> None:
+        """The iteration of ``step`` was interrupted and is not logged (its record was handed over early)."""
+        drop = getattr(self._writer, "drop", None)
+        if drop is not None:
+            drop(step)
+
+    def on_step(self, record: Staged[StepRecord], *, snapshot: Staged[SnapshotState] | None = None,
+                snapshot_block_s: float = 0.0, apply_s: float | None = None) -> None:
+        """Hand the step's staged record (and, at a snapshot step, the staged snapshot) to the writer.
+
+        ``apply_s``: decode + inner optimizer step of this step (the tuner's replay-cost estimate);
+        ``snapshot_block_s``: how long staging the snapshot held the training thread. Never raises a background
+        failure: the step has already been applied, and :meth:`check` reports failures before the next inner
+        step, so an exception always means "this step did not happen"."""
+        writer = self._writer
+        if writer is None:
+            record.release()
+            if snapshot is not None:
+                snapshot.release()
+            return
+        step = record.item.step
+        self.policy.observe_step(step, apply_s=apply_s, record_bytes=record.item.payload_nbytes)
+        writer.submit_record(record)
+        self._last_submitted = step
+        if self.policy.wants_snapshot(step):
+            cut = self.policy.at_snapshot(step)
+            if cut is not None:
+                # In the writer's queue after this step's record: the cut and the new size land exactly here.
+                writer.set_batch_steps(cut)
+            if snapshot is not None:
+                self.policy.observe_snapshot(step, nbytes=_state_nbytes(snapshot.item), block_s=snapshot_block_s)
+                writer.submit_snapshot(snapshot)
+            elif writer.shadow_ok:
+                writer.submit_shadow_snapshot(step)
+                self.policy.observe_snapshot(step, nbytes=0, block_s=0.0)  # no blocking here: the replica has it
+        elif snapshot is not None:
+            snapshot.release()
+        cut = self.policy.after_step(step, writer.stats)
+        if cut is not None:
+            writer.set_batch_steps(cut)
+
+    def waited(self, seconds: float) -> None:
+        """The training thread waited ``seconds`` for a snapshot's copy (lowdiff._training.stager): counted with the
+        waits for the writer (``opt.stats.blocked_s``, which the tuner reads as stalls)."""
+        if seconds > 0 and self._writer is not None:
+            self._writer.stats.blocked_s += seconds
+
+    def report_backpressure(self, step: int, reported_s: float, every_s: float) -> float:
+        """Warn when training has waited for the writer (the disk is slower than the log grows), at most once per
+        ``every_s`` of added waiting; returns the waiting reported so far."""
+        st = self.writer_stats
+        if st.blocked_s - reported_s < every_s:
+            return reported_s
+        mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
+        log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
+                    "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
+                    "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
+        return st.blocked_s
+
+    def check(self) -> None:
+        """Raise (or warn about) a failure of the background writer in the calling thread."""
+        if self._writer is None:
+            return
+        err = self._writer.take_error()
+        if err is None:
+            return
+        if self.config.on_write_error == "raise":
+            raise err
+        log.warning("lowdiff: %s; training continues, checkpointing resumes at the next snapshot", err)
+
+    def flush(self) -> int:
+        if self._writer is None:
+            return 0
+        step = self._writer.flush()
+        self.policy.on_flush(self._last_submitted)
+        self.check()
+        return step
+
+    def close(self) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self.check()
+        finally:
+            self.run_dir.release()
+
+
+def _state_nbytes(state: SnapshotState) -> int:
+    tensors = [*state.params.values(), *state.buffers.values()]
+    tensors += [v for st in state.optimizer_state.values() for v in st.values() if hasattr(v, "element_size")]
+    tensors += [v for st in state.compressor_state.values() for v in st.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,33 @@
+"""What lowdiff's signal handlers (lowdiff/_training/lifecycle.py) must know about the code they must not cut.
+
+A message to the persistence process is written with plain ``os.write`` calls: a handler that raised between a
+write and the bookkeeping of how much it wrote would leave part of the message to be sent twice (the persistence
+process then reads garbage), and one that raised before the write would leave it unsent. While :data:`state`
+says a message is being sent, lowdiff's own handlers defer; when a handler of the program's own is installed for
+SIGTERM or SIGINT, sends hold both signals back instead (``pthread_sigmask``, two system calls a message).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+HANDLERS: set[Any] = set()
+"""lowdiff's own Python-level handlers (registered by lowdiff._training.lifecycle as it installs them)."""
+
+
+class _State:
+    sending = False
+
+
+state = _State()
+
+
+def only_lowdiffs() -> bool:
+    """No Python-level handler but lowdiff's is installed for SIGTERM or SIGINT (SIG_DFL and SIG_IGN raise
+    nothing)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        h = signal.getsignal(sig)
+        if callable(h) and h not in HANDLERS:
+            return False
+    return True
