@@ -21,7 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lowdiff._persist import process_writer
 from lowdiff._storage import atomic
+from lowdiff._transfer import host_copies
 
 real_pwritev: Callable[[int, list[Any], int], int] = os.pwritev
 """The real gathered write: call it from a ``pwritev`` interceptor to let bytes through."""
@@ -48,7 +50,7 @@ def fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
-PERSISTENCE_ENV = "LOWDIFF_TESTING_PERSISTENCE"
+PERSISTENCE_ENV = atomic.PERSISTENCE_ENV
 """The environment variable through which :func:`intercept_persistence_process` reaches the processes it starts."""
 
 
@@ -74,24 +76,30 @@ def intercept_persistence_process(commit_delay_s: float = 0.0, fail_errno: int |
             os.environ[PERSISTENCE_ENV] = old
 
 
-def apply_persistence_env() -> None:
-    """Called by the persistence process at start: installs what :func:`intercept_persistence_process` asked for."""
-    import json
-    import time
+@contextmanager
+def slow_copies(delay_s: float) -> Iterator[None]:
+    """While open: every copy lowdiff makes on a thread of its own (a CPU snapshot copied beside the next forward
+    and backward passes, ``snapshot.background_copy: true``) takes ``delay_s`` longer, as on a slow memory system.
+    A test of code that changes parameters between two steps keeps the copy running past that code with it.
 
-    spec = os.environ.get(PERSISTENCE_ENV)
-    if not spec:
-        return
-    cfg = json.loads(spec)
-    delay, err = float(cfg.get("commit_delay_s") or 0.0), cfg.get("fail_errno")
-
-    def fail(fd: int, buffers: list[Any], offset: int) -> int:
-        raise OSError(err, os.strerror(err))
-
-    cm = intercept_writes(pwritev=fail if err is not None else None,
-                          before_commit=(lambda path: time.sleep(delay)) if delay > 0 else None)
-    cm.__enter__()
-    _kept.append(cm)  # a collected generator would run its exit and restore the real functions
+    >>> with lowdiff.testing.slow_copies(0.3):   # doctest: +SKIP
+    ...     train()   # each snapshot still equals the state at its step
+    """
+    previous = host_copies.set_copy_delay(delay_s)
+    try:
+        yield
+    finally:
+        host_copies.set_copy_delay(previous)
 
 
-_kept: list[Any] = []
+@contextmanager
+def small_rings() -> Iterator[None]:
+    """While open: the shared-memory ring a trainer fills for its persistence process (``log.persistence:
+    process``) is only as large as one segment's records need, instead of at least 4 MB, so it wraps within a few
+    steps, as a ring of large records does. Tests of the ring's reuse (a slot that is never given back stops
+    training once the ring wraps) run with small records inside it."""
+    previous = process_writer.set_ring_min_bytes(0)
+    try:
+        yield
+    finally:
+        process_writer.set_ring_min_bytes(previous)

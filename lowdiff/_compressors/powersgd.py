@@ -42,9 +42,11 @@ def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> None:
 class PowerSGDCompressor(Compressor):
     name = "powersgd"
 
-    def __init__(self, *, rank: int, error_feedback: bool = True) -> None:
+    def __init__(self, *, rank: int, error_feedback: bool = True, block_elems: int | None = None) -> None:
         self.rank = rank
         self.error_feedback = error_feedback
+        self.block_elems = CPU_BLOCK_ELEMS if block_elems is None else block_elems
+        """Elements per block of rows decoded at once on the CPU (the bits do not depend on it)."""
         self._residual: dict[str, torch.Tensor] = {}
         self._q: dict[str, torch.Tensor] = {}
 
@@ -103,9 +105,9 @@ class PowerSGDCompressor(Compressor):
             if residual is None:
                 residual = torch.empty_like(matrix)
             self._residual[fqn] = residual
-            _decode_into(p, q, decoded, minus=(matrix, residual))
+            _decode_into(p, q, decoded, minus=(matrix, residual), block_elems=self.block_elems)
         else:
-            _decode_into(p, q, decoded)
+            _decode_into(p, q, decoded, block_elems=self.block_elems)
         return {"p": p, "q": q}, decoded.reshape(grad.shape)
 
     def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
@@ -153,14 +155,14 @@ def decode(p: torch.Tensor, q: torch.Tensor, shape: torch.Size | tuple[int, ...]
 
 
 def _decode_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
-                 minus: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 minus: tuple[torch.Tensor, torch.Tensor] | None = None, block_elems: int = CPU_BLOCK_ELEMS) -> None:
     """out = p[:, 0] q[:, 0]^T + p[:, 1] q[:, 1]^T + ... (each product and each sum rounded on its own, left to
     right). ``minus=(matrix, res)``: also res = matrix - out (``res`` may be ``matrix`` itself).
 
     On the CPU, by blocks of rows: every element goes through the same operations in the same order as without
     blocks, so the bits do not depend on the block size."""
     n, m = out.shape
-    rows = n if out.device.type != "cpu" else max(1, min(n, CPU_BLOCK_ELEMS // max(1, m)))
+    rows = n if out.device.type != "cpu" else max(1, min(n, block_elems // max(1, m)))
     rank = p.shape[1]
     # Columns made contiguous: a strided (n, 1) column broadcast over a row is ~3x slower to multiply.
     pt, qt = p.t().contiguous(), q.t().contiguous()

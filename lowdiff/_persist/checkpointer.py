@@ -14,7 +14,8 @@ from typing import Any
 
 from lowdiff._persist.coordinator import Coordinator
 from lowdiff._persist.snapshot_policy import FixedInterval, SnapshotPolicy
-from lowdiff._persist.thread_writer import BackgroundWriter, WriterStats
+from lowdiff._persist.thread_writer import BackgroundWriter
+from lowdiff._persist.writer import Writer, WriterStats
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -105,23 +106,23 @@ class Checkpointer:
         self.run_dir = run_dir
         self.policy = policy
         self.retention = RetentionPolicy(config.snapshot.keep)
-        self._writer: BackgroundWriter | None = None
+        self._writer: Writer | None = None
         self._last_submitted = 0
 
     def start(self, durable_step: int, shadow: Any = None) -> None:
         cfg = self.config
         self.policy.start(durable_step)
         self._last_submitted = durable_step
-        cls: Any = BackgroundWriter
+        settings: dict[str, Any] = dict(
+            batch_steps=self.policy.batch_steps, codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
+            compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth, retention=self.retention,
+            durable_step=durable_step, shadow=shadow, when_behind=cfg.log.when_behind)
         if cfg.log.persistence == "process":
             from lowdiff._persist.process_writer import ProcessWriter
 
-            cls = ProcessWriter
-        self._writer = cls(self.run_dir, batch_steps=self.policy.batch_steps,
-                           codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
-                           compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth,
-                           retention=self.retention, durable_step=durable_step, shadow=shadow,
-                           when_behind=cfg.log.when_behind)
+            self._writer = ProcessWriter(self.run_dir, **settings)
+        else:
+            self._writer = BackgroundWriter(self.run_dir, **settings)
 
     def restart(self, shadow: Any) -> None:
         """A new writer from step 0 with this shadow replica (snapshot 0 was written again before the first step);
@@ -169,23 +170,20 @@ class Checkpointer:
         """``opt.step()`` has applied the step of ``record``; its iteration has not ended. A persistence process
         takes the record now (so a crash of the training process cannot lose it); a writer thread at
         :meth:`on_step`."""
-        submit = getattr(self._writer, "submit_early", None)
-        if submit is not None:
-            submit(record, keep_if_orphaned)
+        if self._writer is not None:
+            self._writer.submit_early(record, keep_if_orphaned)
 
     def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
         """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process
         that holds the record, and would commit it as it is if the training process died now, gets the new state
         at once; a writer thread sees it when the iteration ends."""
-        retake = getattr(self._writer, "retake_rng", None)
-        if retake is not None:
-            retake(record)
+        if self._writer is not None:
+            self._writer.retake_rng(record)
 
     def on_drop(self, step: int) -> None:
         """The iteration of ``step`` was interrupted and is not logged (its record was handed over early)."""
-        drop = getattr(self._writer, "drop", None)
-        if drop is not None:
-            drop(step)
+        if self._writer is not None:
+            self._writer.drop(step)
 
     def on_step(self, record: Staged[StepRecord], *, snapshot: Staged[SnapshotState] | None = None,
                 snapshot_block_s: float = 0.0, apply_s: float | None = None) -> None:

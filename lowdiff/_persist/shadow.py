@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lowdiff._compressors import decode_payload
-from lowdiff._recovery.stepper import apply_step, build_optimizer
+from lowdiff._recovery.rebuild import apply_step, build_optimizer
 from lowdiff._storage.manifest import Manifest
 from lowdiff._storage.named_state import to_named
 from lowdiff._storage.segment import StepRecord

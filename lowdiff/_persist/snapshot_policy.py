@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lowdiff._persist.thread_writer import WriterStats
+from lowdiff._persist.writer import WriterStats
 
 
 class SnapshotPolicy(Protocol):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff._persist.gc_pause import collector_paused
+from lowdiff._persist.writer import WriterEvents, WriterStats
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -22,24 +23,6 @@ from lowdiff._transfer.host_copies import HostSlots, Staged
 from lowdiff.errors import CheckpointWriteError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WriterStats:
-    segments: int = 0
-    snapshots: int = 0
-    log_bytes: int = 0
-    log_steps: int = 0
-    """Steps in the committed segments (bumped before ``log_bytes``)."""
-    snapshot_bytes: int = 0
-    write_s: float = 0.0
-    blocked_s: float = 0.0
-    """Time the training thread waited because the queue was full (the disk is slower than training)."""
-    steps_skipped: int = 0
-    """``log.when_behind: replica``: records left out of the log because the disk was behind; a snapshot of the
-    replica written after them covers them."""
-    cpu_s: float = 0.0
-    """CPU time the writer has used: its thread's, or the whole persistence process's (as of its last report)."""
 
 
 @dataclass
@@ -66,14 +49,14 @@ _CLOSE = object()
 
 
 class BackgroundWriter:
-    """Call order: ``submit_record`` for every step (and ``submit_snapshot`` / ``submit_shadow_snapshot`` at
-    snapshot steps, after that step's record), ``set_batch_steps`` to cut a segment, ``take_error`` before each
-    step, ``flush`` / ``close`` at the end. Items are :class:`lowdiff._transfer.host_copies.Staged`: the writer waits
-    for their copies, persists them through ``run_dir`` and releases them."""
+    """The :class:`lowdiff._persist.writer.Writer` of ``log.persistence: thread``, and the writer inside a
+    persistence process (which passes ``events`` to report to its trainer). Records reach it when their iteration
+    ends (:meth:`submit_record`); :meth:`submit_early`, :meth:`retake_rng` and :meth:`drop` have nothing to do
+    here."""
 
     def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
                  retention: RetentionPolicy, durable_step: int, shadow: Any = None,
-                 when_behind: str = "wait") -> None:
+                 when_behind: str = "wait", events: WriterEvents | None = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
@@ -85,6 +68,7 @@ class BackgroundWriter:
         """Whether this thread applies each record to the replica (a paced persistence process applies them itself,
         lowdiff._persist.child)."""
         self.stats = WriterStats()
+        self.events = events if events is not None else WriterEvents()
         self.slots = HostSlots()
         """The host buffers the training thread packs step records into (lowdiff._training.stager.Slots)."""
         self._queue_depth = queue_depth
@@ -121,6 +105,15 @@ class BackgroundWriter:
             q.queue.append(item)
             q.unfinished_tasks += 1
             q.not_empty.notify()
+
+    def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
+        """Nothing: a thread dies with the trainer, so it takes the record when its iteration ends."""
+
+    def retake_rng(self, record: Staged[StepRecord]) -> None:
+        """Nothing: the record reaches this writer with the RNG state its iteration ended with."""
+
+    def drop(self, step: int) -> None:
+        """Nothing: an interrupted iteration's record never reached this writer."""
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         self._put(record)
@@ -230,11 +223,7 @@ class BackgroundWriter:
             elif isinstance(item, ShadowSnapshot):
                 if self.shadow_ok and self.shadow.step == item.step:
                     self._write_snapshot(Staged(self.shadow.snapshot()))
-            self.stats.cpu_s = self._cpu_s()
-
-    def _cpu_s(self) -> float:
-        """The writer's CPU time so far (this thread's)."""
-        return time.thread_time()
+            self.stats.cpu_s = self.events.cpu_clock()
 
     def _apply_shadow(self, record: StepRecord) -> None:
         try:
@@ -252,9 +241,17 @@ class BackgroundWriter:
                 self._error = e if isinstance(e, CheckpointWriteError) else CheckpointWriteError(
                     None, f"background write in {self.run_dir.path} failed: {e!r}")
                 self._reported = False
+            err = self._error
         self._broken = True
         self._drop(self._batch)
         self._batch = []
+        if self.events.failed is not None:
+            self.events.failed(err)
+            with self._lock:
+                # Reported by the callback: the next failure is recorded as itself. Unmarked, the writer kept the
+                # first error and every later failure was reported with its text (a fault probe: snapshots 15-30
+                # failing were each reported as snapshot 10's failure).
+                self._reported = True
 
     def _drop(self, records: list[Staged[StepRecord]]) -> None:
         """Records that will not be written: their buffers go back (in a persistence process, ring slots the
@@ -264,7 +261,14 @@ class BackgroundWriter:
             r.release()
 
     def _write_batch(self) -> None:
-        if not self._batch or self._broken:
+        if not self._batch:
+            return
+        with self.events.writing_segment():
+            self._write_segment()
+        self.events.committed()
+
+    def _write_segment(self) -> None:
+        if self._broken:
             self._drop(self._batch)
             self._batch = []
             return
@@ -287,6 +291,10 @@ class BackgroundWriter:
             self._durable_step = max(self._durable_step, batch[-1].item.step)
 
     def _write_snapshot(self, staged: Staged[SnapshotState]) -> None:
+        self._commit_snapshot(staged)
+        self.events.committed()
+
+    def _commit_snapshot(self, staged: Staged[SnapshotState]) -> None:
         state = staged.item
         t0 = time.perf_counter()
         try:

@@ -25,7 +25,8 @@ import torch
 
 from lowdiff._recovery import optimizers, procs
 from lowdiff._recovery.options import DEFAULT_OPTIONS, ReplayOptions
-from lowdiff._recovery.stepper import Stepper, build_optimizer
+from lowdiff._recovery.rebuild import build_optimizer
+from lowdiff._recovery.stepper import Stepper
 from lowdiff._storage.format import FileSet, decode_value
 from lowdiff._storage.log_reader import Segment
 from lowdiff._storage.manifest import Manifest

@@ -12,7 +12,6 @@ same (vectorized or scalar-tail) kernel path as in training.
 
 from __future__ import annotations
 
-import inspect
 import math
 import mmap
 from typing import Any
@@ -20,15 +19,15 @@ from typing import Any
 import torch
 
 from lowdiff._compressors import decode_payload, topk
-from lowdiff._recovery import optimizers, procs
+from lowdiff._recovery import procs
 from lowdiff._recovery.exact_sqrt import fast_sqrt_type, plain
 from lowdiff._recovery.options import DEFAULT_OPTIONS, ReplayOptions
+from lowdiff._recovery.rebuild import construct_like
 from lowdiff._storage.format import DTYPES, decode_value
 from lowdiff._storage.log_reader import Segment
 from lowdiff._storage.manifest import Manifest
-from lowdiff._storage.named_state import to_indexed, to_named
+from lowdiff._storage.named_state import to_named
 from lowdiff._storage.segment import StepData
-from lowdiff._storage.snapshot import SnapshotState
 from lowdiff.errors import CorruptFileError
 
 _TRIM_EVERY_BYTES = 32 << 20  # moving state into shared memory: hand freed private pages back this often
@@ -54,7 +53,8 @@ class Stepper:
     ``workers`` optimizer instances of the run's class, each over a contiguous share of the chunks (one per worker
     process), whose per-element state tensors are views of one full tensor per parameter and key. With ``share``
     those full tensors and the parameters live in one shared anonymous mapping, so forked workers step them in
-    place. Otherwise the optimizer built from the snapshot steps whole tensors, exactly as :func:`apply_step`."""
+    place. Otherwise the optimizer built from the snapshot steps whole tensors, exactly as
+    :func:`lowdiff._recovery.rebuild.apply_step`."""
 
     def __init__(self, manifest: Manifest, opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
                  device: str, workers: int, chunked: bool, share: bool = False,
@@ -387,49 +387,3 @@ class Stepper:
                 st[k] = plain(v).cpu() if isinstance(v, torch.Tensor) else v
             out[n] = st
         return out
-
-
-def construct_like(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """Another instance of ``opt``'s class over ``groups``, with exactly ``opt``'s defaults and group settings."""
-    cls = type(opt)
-    new = cls.__new__(cls)
-    torch.optim.Optimizer.__init__(new, [{"params": g["params"]} for g in groups], dict(opt.defaults))
-    for g_new, g in zip(new.param_groups, groups):
-        g_new.clear()
-        g_new.update(g)
-    for k, v in vars(opt).items():  # class-specific attributes set by the constructor (e.g. flags)
-        if k not in vars(new) and k not in ("state", "param_groups"):
-            setattr(new, k, v)
-    return new
-
-
-def apply_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], groups: list[dict[str, Any]],
-               grads: dict[str, torch.Tensor], device: str) -> None:
-    """Redo one optimizer step: the logged hyperparameters of every group, the decoded gradients (None for
-    parameters without one that step), then the optimizer's own ``step()``. Shared by recovery and the shadow
-    replica, so both follow training the same way."""
-    for g_opt, g_log in zip(opt.param_groups, groups):
-        for k, v in decode_value(g_log, device).items():
-            if k != "params":
-                g_opt[k] = v
-    for n, p in params.items():
-        p.grad = grads.get(n)
-    opt.step()
-
-
-def build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, torch.nn.Parameter],
-                     wanted: list[str], optimizer_class: type | None, device: str) -> torch.optim.Optimizer:
-    cls = optimizers.resolve_optimizer_class(manifest.optimizer_class, optimizer_class)
-    optimizers.check_snapshot_state(manifest, cls, snap)  # keys, shapes, dtypes: the class's own, or refused
-    # Pass only the defaults the constructor takes (AdamW records `decoupled_weight_decay` but does not take
-    # it); group hyperparameters are then set exactly by load_state_dict from the snapshot.
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in decode_value(manifest.optimizer_defaults, device).items() if k in accepted}
-    group_specs = [[n for n in g if n in params] for g in manifest.param_groups]
-    try:
-        opt = cls([{"params": [params[n] for n in g]} for g in group_specs], **defaults)
-    except (TypeError, ValueError) as e:
-        raise CorruptFileError(f"cannot rebuild {manifest.optimizer_class} from the manifest's defaults: {e}") from e
-    hyper = [decode_value(g, device) for g in snap.param_groups]
-    opt.load_state_dict(to_indexed(snap.optimizer_state, group_specs, hyper))
-    return opt

@@ -149,3 +149,27 @@ def clean_stale_tmp(run_dir: Path) -> list[Path]:
                     remove_quietly(p)
                     removed.append(p)
     return removed
+
+
+PERSISTENCE_ENV = "LOWDIFF_TESTING_PERSISTENCE"
+"""Set by ``lowdiff.testing.intercept_persistence_process`` for the persistence processes it starts: JSON with
+``commit_delay_s`` and ``fail_errno``."""
+
+
+def seam_from_environment() -> None:
+    """Called by a persistence process at start: install the seam :data:`PERSISTENCE_ENV` asks for (a process
+    cannot be handed the test's own functions), or nothing when it is unset."""
+    import time
+
+    spec = os.environ.get(PERSISTENCE_ENV)
+    if not spec:
+        return
+    cfg = json.loads(spec)
+    delay, err = float(cfg.get("commit_delay_s") or 0.0), cfg.get("fail_errno")
+
+    def fail(fd: int, buffers: list[Any], offset: int) -> int:
+        raise OSError(err, os.strerror(err))
+
+    current_pwritev, current_commit = set_write_seam(None, None)
+    set_write_seam(fail if err is not None else current_pwritev,
+                   (lambda path: time.sleep(delay)) if delay > 0 else current_commit)

@@ -76,7 +76,8 @@ def _flat_cat(raw: list[Any]) -> torch.Tensor:
     return joined.reshape(-1).view(torch.uint8)
 
 
-def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[EntryIn], codec: str) -> int:
+def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[EntryIn], codec: str, *,
+                    format_version: int = FORMAT_VERSION) -> int:
     """Write and atomically commit one container file; returns the bytes written.
 
     ``EntryIn.raw`` items may be tensors (their raw bytes are stored) or bytes-like objects. Raw bytes are
@@ -127,7 +128,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
         atomic.ensure_space(tmp.parent, offset + len(index))
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["format_version"] = format_version
             f.attrs["kind"] = kind
             ds = f.create_dataset("index", data=np.frombuffer(index, dtype=np.uint8))
             ds.attrs["crc32"] = _crc32(index)

@@ -213,7 +213,7 @@ def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None, itera
 def hook_scaler_update(on_update: Callable[[Callable[[Any], Any], Any], Any], scaler: Any) -> None:
     """Route a tracked GradScaler's ``update()`` through ``on_update(update, new_scale)``, a method of the wrapper
     (an instance attribute, as LR schedulers patch ``optimizer.step``); the scaler holds the wrapper weakly."""
-    ref = weakref.WeakMethod(on_update)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(on_update)
     update = scaler.update
 
     def lowdiff_update(new_scale: Any = None) -> Any:

@@ -1,5 +1,6 @@
-"""What ``opt.resume()`` decides from a recovered step: which step to resume at, which compressor memory a rank gets
-back, and what the log can and cannot restore (said once in the log). The loading itself is the wrapper's."""
+"""``opt.resume()``: which step to resume at, the recovered state loaded into the live model, optimizer, compressor,
+tracked objects and RNG generators, which compressor memory a rank gets back, and what the log can and cannot
+restore (said once in the log)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from typing import Any
 
 import torch
 
+from lowdiff import rng as rng_state
 from lowdiff._compressors import Compressor
 from lowdiff._recovery import Recovered, recover
 from lowdiff._recovery.optimizers import allowed_optimizers
 from lowdiff._storage.format import MANIFEST, list_snapshots
+from lowdiff._training import fsdp
+from lowdiff._training.iteration import AT_END, AT_STEP
+from lowdiff._training.opening import Run
+from lowdiff._training.step_zero import REWRITE
 from lowdiff.errors import CorruptFileError, StepNotAvailableError
 
 log = logging.getLogger(__name__)
@@ -112,3 +118,56 @@ def apply_end_groups(groups: list[dict[str, Any]], end: list[dict[str, Any]] | N
         return
     for g, e in zip(groups, end):
         g.update(e)
+
+
+def resume_run(run: Run, at: str) -> int:
+    """Restore ``run``'s model, optimizer, compressor, tracked objects and RNG state to the end of the logged
+    iteration ``at`` picks (lowdiff._training.optimizer.LowDiffOptimizer.resume) and start its writer there."""
+    assert run.checkpointer is not None and run.run_dir is not None
+    inner, spec, coord, sharded, run_dir = run.inner, run.spec, run.coord, run.sharded, run.run_dir
+    device = str(next(iter(spec.params.values())).device) if spec.params else "cpu"
+    world = coord.world_size
+    # Every rank resumes at once: parallel replay inside each rank would oversubscribe the node's cores.
+    rec = recover_for_resume(run_dir.path, at, device=device, workers=1 if world > 1 else None,
+                             rank=coord.rank if world > 1 else None,
+                             shard=(coord.rank, world) if sharded is not None else None,
+                             optimizer_class=replay_class(inner))
+    if rec.step == 0:
+        # Nothing was trained: the live state is where the run was, pretrained weights loaded after wrap()
+        # included, which snapshot 0 may predate; it is written again at the first step (step_zero.py).
+        run.loop.step0 = REWRITE
+    elif sharded is not None:
+        fsdp.load_state(rec, spec, sharded, inner)
+    else:
+        run.model.load_state_dict(rec.model)
+        inner.load_state_dict(rec.optimizer)
+    if rec.step > 0:
+        apply_end_groups(inner.param_groups, rec.end_groups)
+        run.compressor.load_state_dict(
+            compressor_state(rec, run.compressor, world, spec.params) if sharded is None
+            else fsdp.compressor_state(rec, spec, sharded, rec.world_size))
+    for s in rec.report.skipped:
+        log.warning("lowdiff: resume skipped %s", s)
+    coord.barrier("recovered")
+    if run.leader:
+        run_dir.quarantine_beyond(rec.step)
+    # Files from here on are of a new branch of the run's history: a file the resume moved aside and someone
+    # puts back is refused (lowdiff._storage.history), even where no file of this branch holds its steps.
+    run_dir.start_branch(rec.step, coord.broadcast_ints, commit=run.leader)
+    coord.barrier("quarantined")
+    run.loop.step = rec.step
+    run.loop.stepped = False
+    run.stager.remember_buffers()
+    run.loop.needs_resume = False
+    shadow = run.make_shadow(run.stager.snapshot(rec.step).wait()) if run.config.snapshot.shadow else None
+    run.checkpointer.start(durable_step=rec.step, shadow=shadow)
+    # Last, so nothing above draws from the restored generators: the next forward starts from them.
+    run.tracker.restore(rec.data, rec.step, end_known=rec.end_groups is not None)
+    rng_state.restore_at_resume(rec.rng, rng_state.current_rank(), rec.step)
+    if fsdp.changes_layout(run_dir.read_manifest(), rec.world_size, sharded):
+        data = {**run.tracker.state(AT_STEP)[0], **run.tracker.state(AT_END)[0]}
+        fsdp.rebase(run.stager.snapshot(rec.step, data), run_dir, coord, inner.param_groups, run.codec)
+    if run.writes is not None and rec.step > 0:
+        run.writes.arm(rec.step)  # weights loaded after a resume at step 0: a fresh run's (step_zero.py)
+    log.info("lowdiff: resumed %s at step %d (%s)", run_dir.path, rec.step, rec.report.summary().splitlines()[0])
+    return rec.step

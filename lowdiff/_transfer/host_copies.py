@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ class HostCopier:
         try:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COPY_THREAD)
-            return CopyInFlight(self._thread.submit(_pack_no_grad, layout, tensors, buf))
+            return CopyInFlight(self._thread.submit(_pack_on_copy_thread, layout, tensors, buf))
         except RuntimeError:  # the interpreter is shutting down (training in a thread the main thread outlived)
             done: Future[None] = Future()
             _pack_no_grad(layout, tensors, buf)
@@ -302,6 +303,23 @@ def _host_copy(t: torch.Tensor, live: bool) -> torch.Tensor:
     if t.device.type != "cpu":
         return t.detach().to("cpu", copy=True)
     return t.detach().clone() if live else t.detach()
+
+
+_copy_delay_s = 0.0
+
+
+def set_copy_delay(seconds: float) -> float:
+    """Make every copy on a copier's thread take ``seconds`` longer (lowdiff.testing.slow_copies); returns the
+    delay in force before."""
+    global _copy_delay_s
+    previous, _copy_delay_s = _copy_delay_s, seconds
+    return previous
+
+
+def _pack_on_copy_thread(layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
+    if _copy_delay_s > 0:
+        time.sleep(_copy_delay_s)
+    _pack_no_grad(layout, tensors, buf)
 
 
 def _pack_no_grad(layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:

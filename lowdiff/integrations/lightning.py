@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lowdiff._training.optimizer import LowDiffOptimizer
+from lowdiff import LowDiffOptimizer
 from lowdiff.data import ResumableLoader
 from lowdiff.errors import LowDiffError
 

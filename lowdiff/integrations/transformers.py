@@ -31,8 +31,8 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
+from lowdiff import LowDiffOptimizer
 from lowdiff import rng as rng_state
-from lowdiff._training.optimizer import LowDiffOptimizer
 from lowdiff.errors import LowDiffError
 
 __all__ = ["LowDiffTrainer"]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -712,8 +713,7 @@ def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path:
 _SNAPSHOT_FAILS_MID_SEGMENT = """
 import errno, sys, torch
 import lowdiff, lowdiff.testing
-import lowdiff._persist.process_writer as pp
-pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
+lowdiff.testing.small_rings().__enter__()  # a ring just large enough: it wraps within a few steps
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
 with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
@@ -740,9 +740,8 @@ def test_a_failed_snapshot_write_gives_the_open_segments_slots_back(tmp_path: Pa
 
 _SNAPSHOT_STAGING_INTERRUPTED = """
 import sys, torch
-import lowdiff
-import lowdiff._persist.process_writer as pp
-pp.RING_MIN_BYTES = 0  # a ring just large enough: it wraps within a few steps
+import lowdiff, lowdiff.testing
+lowdiff.testing.small_rings().__enter__()  # a ring just large enough: it wraps within a few steps
 
 def train(run_dir, persistence, interrupt_at):
     torch.manual_seed(0)
@@ -885,18 +884,10 @@ def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: 
 
 
 @pytest.fixture
-def slow_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+def slow_copies() -> Iterator[None]:
     """Every copy on a copier's thread (a CPU snapshot's) takes 0.3 s longer."""
-    import lowdiff._transfer.host_copies
-
-    real = lowdiff._transfer.host_copies.pack_host
-
-    def slow(*args: object) -> None:
-        if lowdiff._transfer.host_copies.on_copy_thread():
-            time.sleep(0.3)
-        real(*args)
-
-    monkeypatch.setattr(lowdiff._transfer.host_copies, "pack_host", slow)
+    with lowdiff.testing.slow_copies(0.3):
+        yield
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])
@@ -945,14 +936,9 @@ def test_a_snapshot_copied_beside_a_closures_passes_is_exact(tmp_path: Path, slo
 
 _COPY_INTERRUPTED = """
 import copy, os, signal, sys, threading, time
-import torch, lowdiff, lowdiff._transfer.host_copies
-real = lowdiff._transfer.host_copies.pack_host
-def slow(*a):
-    if lowdiff._transfer.host_copies.on_copy_thread():
-        time.sleep(3.0 if how == "close" else 1.0)  # the copy outlasts the close
-    real(*a)
-lowdiff._transfer.host_copies.pack_host = slow
+import torch, lowdiff, lowdiff.testing
 run_dir, persistence, how = sys.argv[1:4]
+lowdiff.testing.slow_copies(3.0 if how == "close" else 1.0).__enter__()  # the copy outlasts the close
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
 inner = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -265,22 +265,17 @@ class _ReferencePowerSGD:
 def test_powersgd_blockwise_in_place_matches_the_reference(seed: int, shape, rank: int, block: int, dtype) -> None:
     """Blocks of any size (one row, several, a partial last one, the whole matrix), over steps with error
     feedback: the payload, the decoded gradient and the residual are those of the reference, bit for bit."""
-    saved = powersgd.CPU_BLOCK_ELEMS
-    powersgd.CPU_BLOCK_ELEMS = block
-    try:
-        c, ref = make_compressor("powersgd", rank=rank), _ReferencePowerSGD(rank)
-        for t in range(3):
-            grad = _tensor(seed + t, shape, dtype)
-            kept = grad.clone()
-            payload, dec = c.compress_decode("w", grad)
-            want, want_dec = ref.compress("w", grad)
-            assert torch.equal(grad, kept), "the caller's gradient is not changed"
-            assert torch.equal(payload["p"], want["p"]) and torch.equal(payload["q"], want["q"])
-            assert dec.dtype == want_dec.dtype and torch.equal(dec, want_dec)
-            assert torch.equal(c.state_dict()["w"]["residual"], ref.residual["w"])
-            assert torch.equal(decode_payload(payload, shape), want_dec)
-    finally:
-        powersgd.CPU_BLOCK_ELEMS = saved
+    c, ref = powersgd.PowerSGDCompressor(rank=rank, block_elems=block), _ReferencePowerSGD(rank)
+    for t in range(3):
+        grad = _tensor(seed + t, shape, dtype)
+        kept = grad.clone()
+        payload, dec = c.compress_decode("w", grad)
+        want, want_dec = ref.compress("w", grad)
+        assert torch.equal(grad, kept), "the caller's gradient is not changed"
+        assert torch.equal(payload["p"], want["p"]) and torch.equal(payload["q"], want["q"])
+        assert dec.dtype == want_dec.dtype and torch.equal(dec, want_dec)
+        assert torch.equal(c.state_dict()["w"]["residual"], ref.residual["w"])
+        assert torch.equal(decode_payload(payload, shape), want_dec)
 
 
 @pytest.mark.parametrize("name", ["topk", "powersgd"])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from lowdiff import CorruptFileError
 from lowdiff._storage import atomic, codecs
 from lowdiff._storage.container import ContainerReader, EntryIn, write_container
+from lowdiff._storage.format import FORMAT_VERSION
 
 CODECS = list(codecs.CODECS)
 DTYPES = {"param/a": "float32", "param/b": "int64", "optim/a/step": "float32", "empty": "uint8"}
@@ -30,13 +31,13 @@ def _entries(seed: int = 0) -> dict[str, bytes]:
     }
 
 
-def _write(path: Path, entries: dict[str, bytes], codec: str) -> None:
+def _write(path: Path, entries: dict[str, bytes], codec: str, format_version: int = FORMAT_VERSION) -> None:
     # Entry "param/a" is given as two chunks: the writer concatenates them.
     ins = []
     for name, raw in entries.items():
         chunks = [raw[: len(raw) // 2], raw[len(raw) // 2 :]] if name == "param/a" else [raw]
         ins.append(EntryIn(name, chunks, {"dtype": DTYPES[name], "shape": [len(raw)]}))
-    write_container(path, "snapshot", {"step": 3}, ins, codec)
+    write_container(path, "snapshot", {"step": 3}, ins, codec, format_version=format_version)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -165,14 +166,7 @@ def test_wrong_kind_version_and_missing(tmp_path: Path) -> None:
         ContainerReader(path, "snapshot")
     # ...while a well-formed file from a newer format version is refused with advice.
     newer = tmp_path / "newer.h5"
-    import lowdiff._storage.container as container_mod
-
-    real = container_mod.FORMAT_VERSION
-    container_mod.FORMAT_VERSION = 99
-    try:
-        _write(newer, _entries(), "none")
-    finally:
-        container_mod.FORMAT_VERSION = real
+    _write(newer, _entries(), "none", format_version=99)
     with pytest.raises(CorruptFileError, match="upgrade lowdiff"):
         ContainerReader(newer, "snapshot")
     with pytest.raises(FileNotFoundError):

@@ -12,9 +12,9 @@ import dataclasses
 from typing import Any
 
 from lowdiff._persist.coordinator import Coordinator
-from lowdiff._persist.thread_writer import WriterStats
 from lowdiff._persist.tuner.auto import AutoTuner
 from lowdiff._persist.tuner.solve import Decision
+from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import Shard
 from lowdiff._storage.run_dir import RunDir
 from lowdiff.config import Config

@@ -1,0 +1,212 @@
+"""The messages between a trainer and its persistence process (``log.persistence: process``), and their framing.
+
+Both sides import this module: the trainer's :class:`lowdiff._persist.process_writer.ProcessWriter` and the
+persistence process (lowdiff/_persist/child.py). A message is a named tuple, pickled whole and framed as
+``multiprocessing.connection``'s ``recv_bytes`` reads it. The bytes of a step's tensors never travel in a message:
+they are in the shared ring already (lowdiff._transfer.ring), and a message says where.
+
+Call order, trainer to persistence process: :class:`Start` once, then per step :class:`Record` (when ``opt.step()``
+returns) and :class:`Seal` (when its iteration ends) or :class:`Drop` (an interrupted iteration); :class:`Rng` when
+``opt.capture_rng()`` retakes the RNG state of a record already handed over; :class:`Snapshot` or
+:class:`ShadowSnapshot` at snapshot steps; :class:`BatchSteps` to cut a segment; :class:`ArenaFollows` before the
+descriptor of a new shared-memory arena; :class:`Flush`; :class:`Close`. :class:`Several` carries a seal held back
+to ride with the next message. Back: :class:`Ready` once started, :class:`Freed` slots, :class:`Status` after every
+commit, :class:`Failed`, :class:`Flushed`, :class:`Closed`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+from lowdiff._persist import signals
+
+# -- trainer to persistence process -----------------------------------------------------------------------------
+
+
+class Start(NamedTuple):
+    path: str
+    shard: tuple[int, int]
+    compressor_params: dict[str, Any] | None
+    run_id: str | None
+    branch: str | None
+    writer: dict[str, Any]
+    """The writer's settings: batch_steps, codec, compressor, queue_depth, retention, durable_step, when_behind."""
+    shadow: Any
+    log_level: int
+    trainer_pid: int
+
+
+class Record(NamedTuple):
+    """A step whose ``opt.step()`` returned: its payloads and changed buffers lie packed in ring ``ring_id`` at
+    ``offset`` (slot ``aid``), laid out as layout ``layout_id`` (its wire sent once, then None)."""
+
+    step: int
+    ring_id: int
+    aid: int
+    offset: int
+    nbytes: int
+    layout_id: int
+    wire: Any
+    rng: dict[str, bytes]
+    groups: list[dict[str, Any]]
+    data: dict[str, Any]
+    skipped: bool
+    keep_if_orphaned: bool
+    """If the trainer dies before the iteration ends, commit the record as it is (nothing is tracked at its end)."""
+
+
+class Seal(NamedTuple):
+    """The iteration of the record handed over last has ended: its final tracked state and groups; ``rng`` only if
+    it was taken again after the step (None: as sent)."""
+
+    step: int
+    data: dict[str, Any]
+    end_groups: list[dict[str, Any]] | None
+    rng: dict[str, bytes] | None
+
+
+class Rng(NamedTuple):
+    step: int
+    rng: dict[str, bytes]
+
+
+class Drop(NamedTuple):
+    step: int
+
+
+class Snapshot(NamedTuple):
+    """A snapshot packed into the snapshot arena: ``skeleton`` is the state with each tensor replaced by its place
+    (lowdiff._storage.packed.unpack_skeleton)."""
+
+    step: int
+    regions: list[Any]
+    places: list[Any]
+    skeleton: Any
+    rng: dict[str, bytes]
+    groups: list[dict[str, Any]]
+    compressor_name: str
+    extra: dict[str, Any]
+
+
+class ShadowSnapshot(NamedTuple):
+    step: int
+
+
+class BatchSteps(NamedTuple):
+    steps: int
+
+
+class Flush(NamedTuple):
+    token: int
+
+
+class ArenaFollows(NamedTuple):
+    """The descriptor of a new arena follows this message (SCM_RIGHTS): ``kind`` "r" for the record ring, "s" for
+    the snapshot arena."""
+
+    kind: str
+    ring_id: int
+    nbytes: int
+
+
+class Close(NamedTuple):
+    pass
+
+
+class Several(NamedTuple):
+    messages: list[Any]
+
+
+# -- persistence process to trainer ---------------------------------------------------------------------------
+
+
+class Ready(NamedTuple):
+    pass
+
+
+class Freed(NamedTuple):
+    slots: list[tuple[str, int, int]]
+    """(arena kind, ring id, slot id) of each slot given back."""
+
+
+class Status(NamedTuple):
+    durable_step: int
+    stats: tuple[Any, ...]
+    """The writer's :class:`lowdiff._persist.writer.WriterStats`, as a tuple of its fields."""
+    broken: bool
+    shadow_ok: bool
+
+
+class Failed(NamedTuple):
+    args: tuple[Any, ...]
+    """The arguments of the :class:`lowdiff.errors.CheckpointWriteError` to raise in the trainer."""
+
+
+class Flushed(NamedTuple):
+    token: int
+
+
+class Closed(NamedTuple):
+    pass
+
+
+# -- framing ------------------------------------------------------------------------------------------------------
+
+_FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a message under 2 GiB (recv_bytes reads it)
+_HELD_BACK = {signal.SIGTERM, signal.SIGINT}
+
+
+def send(conn: Connection, msg: Any) -> None:
+    """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body.
+
+    A signal handler that raises in the middle (KeyboardInterrupt, lowdiff's SIGTERM handler after its
+    deferrals, a program's own ``sys.exit`` on SIGTERM) must not leave part of a message unsent or sent twice, nor
+    a message taken off a queue and never sent (a kill test lost the step whose seal it was). While it writes,
+    lowdiff's own handlers defer (lowdiff/_persist/signals.py); with a handler of the program's own installed,
+    SIGTERM and SIGINT are held back instead, which costs two system calls a message."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) >= 1 << 31 or not signals.only_lowdiffs():
+        whole(conn.send_bytes, data)
+        return
+    frame = memoryview(_FRAME.pack(len(data)) + data)
+    fd = conn.fileno()
+    try:
+        signals.state.sending = True
+        while len(frame):
+            frame = frame[os.write(fd, frame):]
+    finally:
+        signals.state.sending = False
+
+
+def recv(conn: Connection) -> Any:
+    """The next message (raises EOFError or OSError when the other end is gone)."""
+    return pickle.loads(whole(conn.recv_bytes))
+
+
+def whole(io: Any, *args: Any) -> Any:
+    """One message's socket I/O with SIGTERM and SIGINT held back (in the main thread, where their handlers run):
+    a handler that raises in the middle (lowdiff's SIGTERM handler after its deferrals, KeyboardInterrupt) would
+    leave half a message on the socket, or a message taken off a queue and never sent (a kill test lost the
+    step whose seal it was). The signal is handled as soon as the message is through."""
+    if threading.current_thread() is not threading.main_thread():
+        return io(*args)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_BACK)
+    try:
+        return io(*args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def rng_bytes(rng: dict[str, Any]) -> dict[str, bytes]:
+    """A record's or snapshot's RNG states as a message carries them (the persistence process turns them back into
+    tensors): the bytes they were captured as, when the states are still those of a capture."""
+    raw = getattr(rng, "raw", None)
+    if raw is not None and raw.keys() == rng.keys():
+        return raw
+    return {k: v.numpy().tobytes() for k, v in rng.items()}
