@@ -3,7 +3,7 @@ and how much is the background writer? Three runs per compressor: ``enabled: fal
 (records and snapshots staged, then released unwritten); enabled. Per-step times until the training stream finishes
 the step.
 
-    python bench/gpu_writer_split.py        # prints one line per run; 48M-param GPT, batch 16 x 256, 120 steps
+    python bench/studies/gpu_writer_split.py        # prints one line per run; 48M-param GPT, batch 16 x 256, 120 steps
 
 The null writer is lowdiff's own writer on a disk that takes no bytes: through ``lowdiff.testing.intercept_writes``
 every write it commits fails (ENOSPC), and with ``on_write_error: warn`` training goes on while the writer releases
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench._common
 
 import torch  # noqa: E402
 

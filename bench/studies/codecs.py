@@ -3,8 +3,8 @@
 Gradients come from a few training steps of examples/tinygpt.py on the stdlib text; each codec encodes and
 decodes the same bytes, round-robin over several rounds; medians are reported.
 
-    python bench/codecs.py            # writes bench/results/codecs.json and docs/measurements/codecs.md
-    python bench/codecs.py --smoke    # seconds
+    python bench/studies/codecs.py            # writes bench/results/codecs.json and docs/measurements/codecs.md
+    python bench/studies/codecs.py --smoke    # seconds
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from examples.tinygpt import GPT, StdlibText  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
                             "encode_MB_s": statistics.median(v["enc"]), "decode_MB_s": statistics.median(v["dec"]),
                             "bytes": nbytes})
     model_desc = f"tinygpt d_model={d_model} n_layer={n_layer}, {steps} steps of real gradients, {rounds} rounds"
-    lines = [f"# Codecs on real gradients\n\n{model_desc} (`python bench/codecs.py`). Medians.\n",
+    lines = [f"# Codecs on real gradients\n\n{model_desc} (`python bench/studies/codecs.py`). Medians.\n",
              "| dtype | codec | ratio | encode MB/s | decode MB/s |", "|---|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['codec']} | {r['ratio']:.3f} | {r['encode_MB_s']:.0f} | {r['decode_MB_s']:.0f} |"
               for r in results]

@@ -13,7 +13,7 @@ Medians; ``lowdiff / raw`` is raw time over lowdiff time. A second pass, timesta
 same bytes; the pwritev calls; the metadata CRC of the trailer; fsync of the file; rename + directory fsync; and the
 rest: Python per-entry work, JSON index, HDF5 metadata) and reports the writer thread's CPU time.
 
-    python bench/writebw.py [--reps 9] [--out DIR]
+    python bench/studies/writebw.py [--reps 9] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common.py
 import torch  # noqa: E402
 from _common import (  # noqa: E402
     FULL_MODEL,

@@ -24,7 +24,7 @@ writer persists one 43 MB segment every ``--period`` seconds (the training step 
 no writer, and the time it lost per segment. Thread loss minus process loss is the GIL cost: the time the loop
 waited for the GIL the writer held, plus the forced switches.
 
-    python bench/gil.py [--rounds 8] [--window 5] [--probe-rounds 6] [--smoke]
+    python bench/studies/gil.py [--rounds 8] [--window 5] [--probe-rounds 6] [--smoke]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common.py
 import torch  # noqa: E402
 from _common import FULL_MODEL, ROOT, SMOKE_MODEL, machine_info, median, train_step, write_json  # noqa: E402
 

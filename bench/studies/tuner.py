@@ -1,7 +1,7 @@
 """The tuner against a grid search, CheckFreq's policy and fixed intervals, on costs measured on this machine.
 
-    python bench/tuner.py                                 # measure + simulate (~10 min on 2 shared cores)
-    python bench/tuner.py --smoke --out-dir /tmp/x        # seconds; what tests/bench runs
+    python bench/studies/tuner.py                                 # measure + simulate (~10 min on 2 shared cores)
+    python bench/studies/tuner.py --smoke --out-dir /tmp/x        # seconds
 
 Protocol
 1. Measure (real lowdiff code, this machine). Model: bench/_common.py's FULL_MODEL GPT trained with AdamW and
@@ -12,7 +12,7 @@ Protocol
    samples alternating between the disks so all see the same machine load:
      * a real lowdiff run (B = 8, no snapshot after step 0): S_d = log bytes on disk per step, S_F = the
        step-0 snapshot file;
-     * l_w and BW_w: least-squares fit (lowdiff.profiler.fit_write_cost) of time vs bytes over real
+     * l_w and BW_w: least-squares fit (lowdiff._persist.tuner.fit_write_cost) of time vs bytes over real
        write_segment calls (B = 1, 4, 16 steps of Top-k payload) and write_snapshot calls (the model's state);
      * t_rep, BW_r: a short real replay (lowdiff.recover of that run): (decode + apply) / steps, bytes / read time;
      * alpha (write interference): step time while a thread writes segments back to back vs idle, interleaved.
@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: _common.py
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _common import FULL_MODEL, SMOKE_MODEL, ModelSpec, machine_info, output_paths, pyplot, train_step, write_json  # noqa: E402
@@ -650,7 +650,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         f"{doc['machine']['cpu_count']} cores, load average at start {doc['machine']['loadavg_start']}).",
         "Costs measured on this machine with real lowdiff writes and a real replay; the job is simulated",
         f"(discrete events, Poisson failures, jobs of {doc['job_steps']:,} steps repeated to ~{doc['failures']:,} "
-        "failures per policy, common random numbers). Protocol: the docstring of bench/tuner.py; model: "
+        "failures per policy, common random numbers). Protocol: the docstring of bench/studies/tuner.py; model: "
         "docs/reference/tuner-model.md. Expected waste in seconds per hour of wall time "
         "(95 % interval of the simulation).",
         "",
@@ -773,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     measure_s = time.perf_counter() - t0
     scenarios = [run_scenario(f"{disk}, MTBF {h:g} h", costs[disk], h, args)
                  for disk in disks for h in args.mtbf_hours]
-    cmd = "python bench/tuner.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    cmd = "python bench/studies/tuner.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     doc = {
         "command": cmd.strip(), "machine": machine_info(), "smoke": args.smoke, "model": {
             **spec.as_dict(), "params": m["params"], "iteration_s": m["iteration_s"], "apply_s": m["apply_s"],
