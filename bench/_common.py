@@ -6,6 +6,7 @@ Benchmarks print; the library never does. Everything here is measurement plumbin
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -209,6 +210,28 @@ def raw_write_fsync(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def k_for(numel: int, ratio: float) -> int:
+    """Top-k's k for a tensor of ``numel`` elements at ``compressor.ratio``: ceil(ratio * numel)
+    (docs/reference/design.md, section 13), at least 1, at most numel. The benchmarks' own arithmetic."""
+    return max(1, min(numel, math.ceil(ratio * numel)))
+
+
+def payload_bytes(shape: torch.Size | tuple[int, ...], element_size: int, comp: str, ratio: float, rank: int) -> int:
+    """Expected bytes one gradient of ``shape`` adds to a step's payload: Top-k values + int32 indices; PowerSGD
+    factors P (n x r) and Q (m x r) of a matrix (n = shape[0], m = the product of the rest, r = min(rank, n, m)),
+    the full gradient where the factors would not be smaller or the tensor is not a matrix (design.md, section 13);
+    none the full gradient."""
+    numel = math.prod(shape)
+    if comp == "topk":
+        return k_for(numel, ratio) * (element_size + 4)
+    if comp == "powersgd" and len(shape) >= 2:
+        n, m = int(shape[0]), numel // int(shape[0])
+        r = min(rank, n, m)
+        if (n + m) * r < n * m:
+            return (n + m) * r * element_size
+    return numel * element_size
 
 
 def median(xs: list[float]) -> float:

@@ -53,9 +53,11 @@ from overhead_modes import PSGD_RANK, TOPK_RATIO, Ctx, Mode, Settings, baselines
 from overhead_protocol import run  # noqa: E402
 from overhead_report import plot, write_markdown  # noqa: E402
 
-COMPRESSION_NOTE = ("compress/step of the lowdiff modes: compress_decode of a fresh compressor of the same settings "
-                    "over the shared model's gradients, warmed up, timed apart from the windows after the rounds "
-                    "(synchronized on a GPU); naivediff's is its own delta computation, timed inside its steps.")
+COMPRESSION_NOTE = ("compress/step of the lowdiff modes: opt.step() of lowdiff.wrap(SGD(lr=0), enabled: false, "
+                    "compressor C) minus the same with compressor none (compress + decode), stepped alternately over "
+                    "the same gradients on a copy of the model, median of the paired differences after a warm-up, "
+                    "timed apart from the windows after the rounds (synchronized on a GPU); naivediff's is its own "
+                    "delta computation, timed inside its steps.")
 
 
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
@@ -229,7 +231,9 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
                          "the host buffers later ones reuse) is timed; by default it falls in the warm-up")
     ap.add_argument("--modes", help="comma-separated subset of modes (plus their references)")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode peak-RSS subprocesses")
-    ap.add_argument("--bw-reps", type=int)
+    ap.add_argument("--bw-reps", type=int,
+                    help="raw os.write + fsync repetitions of the bandwidth test (default 9; the writer's own "
+                         "bandwidth comes from the timed windows)")
     ap.add_argument("--render-only", action="store_true", help="re-render .md and .png from an existing overhead.json")
     ap.add_argument("--memory-only", action="store_true",
                     help="only re-measure peak memory into an existing overhead.json (timings are kept)")
@@ -268,7 +272,7 @@ def main() -> None:
     s_ld = args.lowdiff_window or (2 if args.smoke else 10)
     ks = [int(k) for k in args.ks.split(",")] if args.ks else ([1, 2, 4] if args.smoke else [1, 10, 50])
     every = args.snapshot_every or (4 if args.smoke else 50)
-    bw_reps = args.bw_reps or (1 if args.smoke else 5)
+    bw_reps = args.bw_reps or (1 if args.smoke else 9)
     for k, w in [*((k, s) for k in ks), (every, s_ld)]:
         if (k > w and k % w) or (k <= w and w % k):
             ap.error(f"interval {k} and window {w}: one must divide the other (events must start windows)")
@@ -309,7 +313,7 @@ def main() -> None:
         if any(isinstance(m, LowDiffMode) for m in modes):
             notes.append(COMPRESSION_NOTE)
         print(f"  rounds done at {time.perf_counter() - t_start:.0f} s; bandwidth test", flush=True)
-        bandwidth = measure_bandwidth(modes, work, bw_reps, steps=s_ld, max_bytes=64 << 20)
+        bandwidth = measure_bandwidth(modes, work, bw_reps)
         for m in modes:
             m.close()
         shutil.rmtree(work, ignore_errors=True)

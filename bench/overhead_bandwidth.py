@@ -1,6 +1,8 @@
-"""The segment write-bandwidth test of bench/overhead.py, after the rounds: the newest records each lowdiff mode
-committed, read back from its run directory, re-written with lowdiff's ``write_segment`` and compared with a raw
-``os.write`` + ``fsync`` of the same bytes."""
+"""The segment write-bandwidth test of bench/overhead.py, after the rounds: the bandwidth lowdiff's writer reached in
+training, from ``opt.stats`` (log bytes / write time over the timed windows that committed segments and no snapshot;
+``write_s`` is the writer's time in ``write_segment``: encode, HDF5 container, pwrite, fsync, rename, directory
+fsync), beside a raw ``os.write`` + ``fsync`` of the same bytes: the newest segment file the mode committed, read
+back from its run directory's ``log/`` (docs/reference/FORMAT.md, section 1)."""
 
 from __future__ import annotations
 
@@ -10,79 +12,55 @@ from pathlib import Path
 from typing import Any
 
 from _common import mb, median, raw_write_fsync
-from overhead_lowdiff import LowDiffMode
+from overhead_lowdiff import LowDiffMode, payload_bytes_per_step
 from overhead_modes import Mode
 
-from lowdiff._storage.format import list_segments
-from lowdiff._storage.manifest import read_manifest
-from lowdiff._storage.segment import SegmentReader, StepRecord, write_segment
+from lowdiff.config import resolve_codec
 
 
-def last_records(run_dir: Path, steps: int, max_bytes: int) -> list[StepRecord]:
-    """The newest records committed in ``run_dir``, read back from its log: ``steps`` of them, fewer if they
-    would exceed ``max_bytes`` of payload (at least one)."""
-    manifest = read_manifest(run_dir)
-    out: list[StepRecord] = []
-    need = steps
-    for first, last, files in reversed(list_segments(run_dir)):
-        with SegmentReader(files, manifest, first, last) as seg:
-            data = seg.read_steps(None, with_buffers=True)
-        out[:0] = [StepRecord(step=d.step, groups=d.groups, grads=d.grads, buffers=d.buffers, rng=d.rng,
-                              data=d.data) for d in data]
-        need = max(1, min(steps, max_bytes // max(1, out[-1].payload_nbytes)))
-        if len(out) >= need:
-            break
-    return out[-need:]
+def newest_segment(run_dir: Path) -> Path | None:
+    """The newest committed log segment of a single-process run: ``log/steps-FFFFFFFFFF-LLLLLLLLLL.h5`` (zero-padded
+    steps, so the names sort by step); ``*.tmp`` files are not committed."""
+    files = sorted((run_dir / "log").glob("steps-*-*.h5"))
+    return files[-1] if files else None
 
 
-def lz4_available() -> bool:
-    try:
-        import lz4.frame  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def measure_bandwidth(modes: list[Mode], work: Path, reps: int, steps: int, max_bytes: int) -> dict[str, Any]:
-    """Re-write the newest committed records of each lowdiff mode (up to ``steps`` of them, read back from its run
-    directory) with lowdiff's write_segment, interleaved with a raw os.write + fsync of the same number of bytes
-    (the committed file's content), medians of ``reps``."""
+def measure_bandwidth(modes: list[Mode], work: Path, reps: int) -> dict[str, Any]:
+    """Per enabled lowdiff mode: its writer's bandwidth in the timed windows (``opt.stats``), and ``reps`` raw
+    ``os.write`` + ``fsync`` of its newest committed segment file's bytes (median)."""
     out: dict[str, Any] = {}
-    codecs = ("lz4", "none") if lz4_available() else ("none",)
     for m in modes:
         if not isinstance(m, LowDiffMode) or not m.enabled or not m.bandwidth_test:
             continue
-        recs = last_records(m.run_dir, steps, max_bytes)
-        if not recs:
+        logs_only = [w for w in m.writes if w["segments"] and not w["snapshots"]]
+        seg = newest_segment(m.run_dir)
+        if not logs_only or seg is None:
             continue
-        n = len(recs)
+        segments = sum(w["segments"] for w in logs_only)
+        nbytes = sum(w["bytes"] for w in logs_only)
+        write_s = sum(w["write_s"] for w in logs_only)
+        steps = sum(w.get("steps", 0) for w in logs_only)
+        data = seg.read_bytes()
         scratch = work / f"bw-{m.name}"
-        (scratch / "log").mkdir(parents=True, exist_ok=True)
-        res: dict[str, Any] = {"steps_per_segment": n, "payload_bytes": sum(r.payload_nbytes for r in recs)}
-        samples: dict[str, list[float]] = {}
-        sizes: dict[str, int] = {}
+        scratch.mkdir(parents=True, exist_ok=True)
+        raw_samples = []
         for _ in range(reps):
-            for codec in codecs:
-                t0 = time.perf_counter()
-                nbytes = write_segment(scratch, recs, codec, m.comp)
-                samples.setdefault(f"lowdiff_{codec}_s", []).append(time.perf_counter() - t0)
-                sizes[codec] = nbytes
-                seg = next((scratch / "log").iterdir())
-                data = seg.read_bytes()
-                seg.unlink()
-                raw = scratch / "raw.bin"
-                t0 = time.perf_counter()
-                raw_write_fsync(raw, data)
-                samples.setdefault(f"raw_{codec}_s", []).append(time.perf_counter() - t0)
-                raw.unlink()
-                del data
-        for codec in codecs:
-            lo, raw_s = median(samples[f"lowdiff_{codec}_s"]), median(samples[f"raw_{codec}_s"])
-            res[codec] = {"segment_bytes": sizes[codec], "lowdiff_write_s": lo, "raw_write_fsync_s": raw_s,
-                          "lowdiff_MBps": mb(sizes[codec]) / lo, "raw_MBps": mb(sizes[codec]) / raw_s,
-                          "bandwidth_ratio": raw_s / lo,
-                          "payload_MBps_lowdiff": mb(res["payload_bytes"]) / lo,
-                          "samples": samples}
-        out[m.name] = res
+            raw = scratch / "raw.bin"
+            t0 = time.perf_counter()
+            raw_write_fsync(raw, data)
+            raw_samples.append(time.perf_counter() - t0)
+            raw.unlink()
         shutil.rmtree(scratch, ignore_errors=True)
+        per_step = payload_bytes_per_step(m.model, m.comp)
+        lo_s, raw_s = write_s / segments, median(raw_samples)
+        lo_mbps, raw_mbps = mb(nbytes) / write_s, mb(len(data)) / raw_s
+        codec = resolve_codec(m.codec, m.comp)
+        out[m.name] = {
+            "method": "in training", "segments": segments, "steps_per_segment": steps / segments,
+            "payload_bytes": per_step * steps / segments,
+            codec: {"segment_bytes": nbytes / segments, "lowdiff_write_s": lo_s, "raw_segment_file": seg.name,
+                    "raw_bytes": len(data), "raw_write_fsync_s": raw_s, "lowdiff_MBps": lo_mbps,
+                    "raw_MBps": raw_mbps, "bandwidth_ratio": lo_mbps / raw_mbps,
+                    "payload_MBps_lowdiff": mb(per_step * steps) / write_s,
+                    "samples": {"raw_s": raw_samples}}}
     return out

@@ -26,9 +26,15 @@ gradients in every other mode's windows. Every step clips its gradients (clip_gr
 clipping changes the gradients after backward, so lowdiff finds the layer-wise captures stale and removes its hooks
 after 3 steps (the JSON's ``capture`` says when): ``--modes lowdiff-none-layerwise --no-clip`` measures the hooks.
 
-Compression time per step (``compress_s_per_step``) of every lowdiff mode is measured apart, after the rounds:
-``compress_decode`` of a fresh compressor of the same settings over the shared model's gradients (warmed up first,
-since a fresh Top-k compressor is slower for ~20 steps; on a GPU synchronized, so it is real GPU time).
+Compression time per step (``compress_s_per_step``) of every lowdiff mode is measured apart, after the rounds,
+through the public API: the time of ``opt.step()`` of ``lowdiff.wrap(SGD(lr=0), model, {"enabled": False,
+"compressor": C})`` minus that of the same wrapper with compressor none, stepped alternately over the same gradients
+(restored before every step) on a copy of the shared model; the median of the paired differences after a warm-up
+(a fresh Top-k compressor is slower for ~20 steps; on a GPU synchronized, so it is real GPU time). With
+``enabled: false`` ``opt.step()`` compresses, decodes into ``.grad`` and runs the inner step, and compressor none
+compresses nothing, so the difference is the compressor's compress + decode with error feedback. The inner SGD at
+learning rate 0 costs the same whatever the gradient holds (AdamW's sqrt is several times slower on the exact zeros
+a sparse decoded gradient leaves in a young ``exp_avg_sq``: bench/compress.py).
 """
 
 from __future__ import annotations
@@ -38,14 +44,11 @@ import time
 from typing import Any
 
 import torch
-from _common import mb
+from _common import mb, median, payload_bytes
 from overhead_modes import PSGD_RANK, TOPK_RATIO, Ctx, Mode, sync, train_step
 
 import lowdiff
-from lowdiff._compressors import make_compressor
-from lowdiff._compressors.powersgd import factor_shapes
-from lowdiff._compressors.topk import k_for
-from lowdiff._persist.checkpointer import CheckpointStats
+from lowdiff import CheckpointStats
 from lowdiff.config import resolve_codec
 
 DRAIN_TIMEOUT_S = 120.0  # an auto mode's drain gives up (and flushes) after this long
@@ -109,6 +112,7 @@ class LowDiffMode(Mode):
             return
         prev, self._seen = self._seen, st
         self.writes.append({"segments": st.segments - prev.segments, "bytes": st.log_bytes - prev.log_bytes,
+                            "steps": st.steps_committed - prev.steps_committed,
                             "snapshots": st.snapshots - prev.snapshots, "write_s": st.write_s - prev.write_s})
 
     def finish(self, next_batch: Any) -> None:
@@ -369,40 +373,46 @@ class AutoLowDiffMode(LowDiffMode):
 
 
 def payload_bytes_per_step(model: torch.nn.Module, comp: str) -> int:
-    total = 0
-    for _, p in model.named_parameters():
-        if comp == "topk":
-            total += k_for(p.numel(), TOPK_RATIO) * (p.element_size() + 4)  # values + int32 indices
-        elif comp == "powersgd":
-            dims = factor_shapes(p.shape, PSGD_RANK)
-            total += p.numel() * p.element_size() if dims is None else (dims[0] + dims[1]) * dims[2] * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    return total
+    """Expected payload bytes of one step, from the bench's own arithmetic (bench/_common.py's payload_bytes)."""
+    return sum(payload_bytes(p.shape, p.element_size(), comp, TOPK_RATIO, PSGD_RANK) for p in model.parameters())
 
 
 def compression_s_per_step(ctx: Ctx, comp: str, next_batch: Any, warm: int = 20, reps: int = 10) -> float:
-    """Seconds of ``compress_decode`` over every gradient of the shared model, per step (once per compressor:
-    kept in ``ctx.measured``). Untimed by the protocol: runs after the rounds."""
+    """Seconds compressor ``comp`` adds to ``opt.step()`` per step (module docstring), once per compressor: kept in
+    ``ctx.measured``; 0 for compressor none, the reference. Untimed by the protocol: runs after the rounds."""
     key = f"compress_s_per_step/{comp}"
+    if comp == "none":
+        ctx.measured[key] = 0.0
     if key not in ctx.measured:
-        model, settings = ctx.model, ctx.settings
+        settings = ctx.settings
+        if settings.quick:
+            warm, reps = 2, 2
+        # A copy: the timed steps write its parameters (SGD writes them in place even at learning rate 0) and its
+        # .grad; the shared model's are written only by the modes' own steps.
+        model = copy.deepcopy(ctx.model)
         x, y = next_batch()
         _, loss = model(x, y)
         loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        compressor = make_compressor(comp, ratio=TOPK_RATIO, rank=PSGD_RANK)
-        if settings.quick:
-            warm, reps = 2, 2
-        t0 = time.perf_counter()
-        for i in range(warm + reps):
-            if i == warm:
-                sync(settings.device)
-                t0 = time.perf_counter()
-            for name, g in grads.items():
-                compressor.compress_decode(name, g)
-        sync(settings.device)
-        ctx.measured[key] = (time.perf_counter() - t0) / reps
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad.detach().clone() for p in params]
+        opts = {c: lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.0), model,
+                                {"run_dir": str(ctx.work / f"compress-{comp}-vs-{c}"), "enabled": False,
+                                 "compressor": {"name": c, "ratio": TOPK_RATIO, "rank": PSGD_RANK}})
+                for c in (comp, "none")}
+        times: dict[str, list[float]] = {c: [] for c in opts}
+        try:
+            for i in range(warm + reps):
+                for c, opt in opts.items():  # alternately, so the machine's drift cancels in the differences
+                    for p, g in zip(params, grads):
+                        p.grad.copy_(g)  # the decode wrote the previous step's decoded gradient into .grad
+                    sync(settings.device)
+                    t0 = time.perf_counter()
+                    opt.step()
+                    sync(settings.device)
+                    if i >= warm:
+                        times[c].append(time.perf_counter() - t0)
+        finally:
+            for opt in opts.values():
+                opt.close()
+        ctx.measured[key] = median([a - b for a, b in zip(times[comp], times["none"])])
     return float(ctx.measured[key])
-

@@ -21,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import dir_bytes, fsync_file
+from _common import dir_bytes, fsync_file, k_for
 from _common import train_step as _clipped_train_step
-
-from lowdiff._compressors.topk import k_for
 
 TOPK_RATIO = 0.01
 PSGD_RANK = 4

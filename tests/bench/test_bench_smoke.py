@@ -40,7 +40,8 @@ def test_overhead_smoke(tmp_path: Path) -> None:
         assert modes[f"lowdiff-{comp}"]["bytes_per_step"] > 0
         assert modes[f"lowdiff-{comp}-off"]["bytes_per_step"] == 0
     assert modes["torchsave-k1"]["bytes_per_step"] > modes["lowdiff-topk"]["log_bytes_per_step"]
-    assert "lowdiff-topk" in out["bandwidth"]
+    bw = out["bandwidth"]["lowdiff-topk"]  # the writer's bandwidth in training (opt.stats) beside raw write+fsync
+    assert bw["method"] == "in training" and bw["none"]["lowdiff_MBps"] > 0 and bw["none"]["raw_MBps"] > 0
     assert "peak_rss_over_plain_bytes" in modes["lowdiff-topk"]
     # The LowDiff+ variants (issue #8): same reference as lowdiff-none, and the step-time tail for every mode.
     for variant in ("shadow", "layerwise"):
@@ -99,4 +100,9 @@ def test_overhead_smoke_auto(tmp_path: Path) -> None:
 def test_compress_smoke(tmp_path: Path) -> None:
     out = _run("compress.py", tmp_path)
     assert [r["method"] for r in out["rows"]][-1] == "plain training step"
-    assert all(r["median_s"] > 0 and len(r["runs_s"]) == out["rounds"] for r in out["rows"])
+    assert all(len(r["runs_s"]) == out["rounds"] for r in out["rows"])
+    # The lowdiff rows are differences of opt.step() times (compressor C minus none): positive unless noise wins
+    # on the tiny smoke model, so only the measured steps and the plain rows are held to > 0.
+    assert all(r["median_s"] > 0 for r in out["rows"] if not r["method"].startswith("lowdiff"))
+    assert set(out["opt_step_runs_s"]) == {"none", "topk", "powersgd"}
+    assert all(t > 0 for ts in out["opt_step_runs_s"].values() for t in ts)
