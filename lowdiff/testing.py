@@ -103,3 +103,21 @@ def small_rings() -> Iterator[None]:
         yield
     finally:
         process_writer.set_ring_min_bytes(previous)
+
+
+@contextmanager
+def copies_in_flight(make_event: Callable[[str], Any]) -> Iterator[None]:
+    """While open: every copy of a step's record or of a snapshot to host memory is reported complete only when
+    ``make_event(kind)`` says so (``kind``: "step" or "snapshot"), an object with ``query()`` (True once complete,
+    without waiting) and ``synchronize()`` (wait for it), as a ``torch.cuda.Event``. The bytes are copied at once;
+    only their completion is what the test says. A CPU test of how lowdiff treats copies still running on a GPU
+    (who waits for them, and when) runs with it.
+
+    >>> with lowdiff.testing.copies_in_flight(lambda kind: NeverDone()):   # doctest: +SKIP
+    ...     train()
+    """
+    previous = host_copies.set_copy_events(make_event)
+    try:
+        yield
+    finally:
+        host_copies.set_copy_events(previous)

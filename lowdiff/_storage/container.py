@@ -154,8 +154,8 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
     return offset + len(index)
 
 
-# The writer's trailer goes through these two module globals, looked up at call time: bench/writebw.py times each
-# phase of a write by wrapping them.
+# The writer's trailer goes through these two module globals, looked up at call time: bench/studies/writebw.py times
+# each phase of a write by wrapping them.
 def _meta_crc(fd: int, hdf5_size: int, data_offset: int, data_len: int) -> int:
     return meta_crc(fd, hdf5_size, data_offset, data_len, _crc32)
 

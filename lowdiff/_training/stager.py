@@ -295,7 +295,7 @@ class Stager:
                 if later and layout.device.type == "cpu":
                     ready = self._copying = self.copier.pack_later(layout, tensors, slot.buf)
                 else:
-                    ready = self.copier.pack(layout, tensors, slot.buf)
+                    ready = self.copier.pack(layout, tensors, slot.buf, kind="snapshot")
         except BaseException:
             if slot.release is not None:
                 slot.release()  # a persistence process's arena would otherwise stay taken for good

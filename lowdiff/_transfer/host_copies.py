@@ -183,11 +183,16 @@ class HostCopier:
         return out, event, None  # pinned buffers: the caching host allocator reuses them
 
 
-    def pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> Any:
+    def pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor, kind: str = "step") -> Any:
         """Copy ``tensors`` (all on ``layout.device``) into the host buffer ``buf`` as ``layout`` places them; the
         event the copies complete at (None: complete now). On a GPU, with spare device memory, one concatenation
         per region on the training stream (a private copy: live tensors may change at once) and one copy per region
-        into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous."""
+        into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous. ``kind``:
+        "step" (a step's record) or "snapshot", for lowdiff.testing.copies_in_flight."""
+        ready = self._pack(layout, tensors, buf)
+        return _copy_events(kind) if _copy_events is not None else ready
+
+    def _pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> Any:
         if layout.device.type != "cuda" or not self.asynchronous:
             if layout.device.type != "cpu":
                 tensors = [t.cpu() for t in tensors]
@@ -306,6 +311,15 @@ def _host_copy(t: torch.Tensor, live: bool) -> torch.Tensor:
 
 
 _copy_delay_s = 0.0
+_copy_events: Callable[[str], Any] | None = None
+
+
+def set_copy_events(make_event: Callable[[str], Any] | None) -> Callable[[str], Any] | None:
+    """Report every copy :meth:`HostCopier.pack` makes as completing at ``make_event(kind)`` instead of its own
+    event (lowdiff.testing.copies_in_flight; None: their own); returns the function in force before."""
+    global _copy_events
+    previous, _copy_events = _copy_events, make_event
+    return previous
 
 
 def set_copy_delay(seconds: float) -> float:

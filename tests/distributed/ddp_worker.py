@@ -74,7 +74,9 @@ def main() -> None:
     if args.probe:
         cfg["tuner"] = {"mtbf_hours": 0.001, "max_overhead": 0.02}
         # a disk with 5 ms more per committed file (left in force until the worker exits)
-        intercept_writes(before_commit=lambda path: time.sleep(0.005)).__enter__()
+        # Kept referenced: a context manager collected at the end of the statement would restore the disk at once.
+        slow_disk = intercept_writes(before_commit=lambda path: time.sleep(0.005))
+        slow_disk.__enter__()
     opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume(at=args.resume_at) if args.resume else 0
     if args.load_after_wrap and start == 0:

@@ -713,7 +713,8 @@ def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path:
 _SNAPSHOT_FAILS_MID_SEGMENT = """
 import errno, sys, torch
 import lowdiff, lowdiff.testing
-lowdiff.testing.small_rings().__enter__()  # a ring just large enough: it wraps within a few steps
+seam = lowdiff.testing.small_rings()  # a ring just large enough: it wraps within a few steps
+seam.__enter__()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
 with lowdiff.testing.intercept_persistence_process(fail_errno=errno.ENOSPC):
@@ -741,7 +742,8 @@ def test_a_failed_snapshot_write_gives_the_open_segments_slots_back(tmp_path: Pa
 _SNAPSHOT_STAGING_INTERRUPTED = """
 import sys, torch
 import lowdiff, lowdiff.testing
-lowdiff.testing.small_rings().__enter__()  # a ring just large enough: it wraps within a few steps
+seam = lowdiff.testing.small_rings()  # a ring just large enough: it wraps within a few steps
+seam.__enter__()
 
 def train(run_dir, persistence, interrupt_at):
     torch.manual_seed(0)
@@ -825,7 +827,7 @@ _SNAPSHOT_COPIES_IN_FLIGHT = """
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[3])
 from lowdiff_harness import Scenario, start
-import lowdiff._transfer.host_copies
+import lowdiff.testing
 
 # A snapshot's copies "in flight" as on a GPU (a CUDA event the copies complete at): done after `polls` queries,
 # or at once when synchronize() is called, which counts as the training thread waiting for them.
@@ -843,11 +845,8 @@ class InFlight:
             waited.append(self.left)
         self.left = -1
 
-real_pack = lowdiff._transfer.host_copies.HostCopier.pack
-def pack(self, layout, tensors, buf):
-    ready = real_pack(self, layout, tensors, buf)
-    return InFlight() if all(key == ("", "") for key in layout.keys) else ready  # a snapshot's layout
-lowdiff._transfer.host_copies.HostCopier.pack = pack
+seam = lowdiff.testing.copies_in_flight(lambda kind: InFlight() if kind == "snapshot" else None)
+seam.__enter__()
 
 t = start(Scenario(**json.loads(sys.argv[2])), sys.argv[1])
 for k in range(1, last + 1):
@@ -938,7 +937,8 @@ _COPY_INTERRUPTED = """
 import copy, os, signal, sys, threading, time
 import torch, lowdiff, lowdiff.testing
 run_dir, persistence, how = sys.argv[1:4]
-lowdiff.testing.slow_copies(3.0 if how == "close" else 1.0).__enter__()  # the copy outlasts the close
+seam = lowdiff.testing.slow_copies(3.0 if how == "close" else 1.0)  # the copy outlasts the close
+seam.__enter__()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
 inner = torch.optim.AdamW(model.parameters(), lr=0.01)
