@@ -49,11 +49,19 @@ class PowerSGDCompressor(Compressor):
         """Elements per block of rows decoded at once on the CPU (the bits do not depend on it)."""
         self._residual: dict[str, torch.Tensor] = {}
         self._q: dict[str, torch.Tensor] = {}
+        self._q0: dict[str, torch.Tensor] = {}
 
     def initial_q(self, fqn: str, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by the parameter name so every rank (and a resumed run) starts from the same Q.
         gen = torch.Generator().manual_seed(zlib.crc32(fqn.encode()))
         return torch.randn(m, r, generator=gen).to(device=like.device, dtype=like.dtype)
+
+    def _first_q(self, fqn: str, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
+        """:meth:`initial_q`, made once per parameter and device (a host-to-device copy, not one per step)."""
+        q0 = self._q0.get(fqn)
+        if q0 is None or q0.shape != (m, r) or q0.device != like.device or q0.dtype != like.dtype:
+            q0 = self._q0[fqn] = self.initial_q(fqn, m, r, like)
+        return q0
 
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
         return self._compress(fqn, grad, comm, want_decoded=False)[0]
@@ -85,7 +93,7 @@ class PowerSGDCompressor(Compressor):
             matrix = g
         q = self._q.get(fqn)
         if q is None or q.shape != (m, r):
-            q = self.initial_q(fqn, m, r, matrix)
+            q = self._first_q(fqn, m, r, matrix)
         p = matrix @ q
         if comm is not None and world > 1:
             comm.allreduce_sum_(p)
@@ -96,7 +104,13 @@ class PowerSGDCompressor(Compressor):
             # decode() a plain product.
             comm.allreduce_sum_(q)
             q.div_(world)
-        self._q[fqn] = q.clone()
+        if world > 1:
+            # Under DDP this runs in backward, before a GradScaler sees an overflow and skips the step: a Q or a
+            # residual left inf or NaN would make every later step overflow too. Without a synchronization: the
+            # starting Q comes back where Q is not finite, and the residual's non-finite elements are dropped.
+            self._q[fqn] = torch.where(torch.isfinite(q).all(), q, self._first_q(fqn, m, r, matrix))
+        else:
+            self._q[fqn] = q.clone()
         if not (self.error_feedback or want_decoded):
             return {"p": p, "q": q}, None
         # decode() with the parameter's own shape gives these bits too (the same block-wise products and sums).
@@ -106,6 +120,8 @@ class PowerSGDCompressor(Compressor):
                 residual = torch.empty_like(matrix)
             self._residual[fqn] = residual
             _decode_into(p, q, decoded, minus=(matrix, residual), block_elems=self.block_elems)
+            if world > 1:
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         else:
             _decode_into(p, q, decoded, block_elems=self.block_elems)
         return {"p": p, "q": q}, decoded.reshape(grad.shape)

@@ -187,6 +187,10 @@ class TopKCompressor(Compressor):
             values, indices = acc.index_select(0, idx), idx.to(torch.int32)
         if self.error_feedback:
             acc.index_fill_(0, idx, 0)  # acc becomes what this step dropped
+            if not single:
+                # Under DDP this runs in backward, before a GradScaler sees an overflow and skips the step: inf or
+                # NaN kept here would make every later step overflow too (training stalls, every step skipped).
+                acc.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             self._residual[fqn] = acc
         if comm is None or single:
             return {"values": values, "indices": indices}

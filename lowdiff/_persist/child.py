@@ -262,7 +262,7 @@ class Session:
         assert rid == msg.ring_id, (rid, msg.ring_id)
         grads, buffers = unpack_step(self.layouts[msg.layout_id], ring.buf[msg.offset:msg.offset + msg.nbytes])
         rec = StepRecord(step=msg.step, groups=msg.groups, grads=grads, buffers=buffers, data=msg.data,
-                         skipped=msg.skipped, rng=_rng_tensors(msg.rng))
+                         skipped=msg.skipped, rng=_rng_tensors(msg.rng), grad_scale=msg.grad_scale)
         ring_id, aid = msg.ring_id, msg.aid
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), msg.keep_if_orphaned)
 

@@ -59,6 +59,8 @@ class Record(NamedTuple):
     skipped: bool
     keep_if_orphaned: bool
     """If the trainer dies before the iteration ends, commit the record as it is (nothing is tracked at its end)."""
+    grad_scale: float | None = None
+    """StepRecord.grad_scale."""
 
 
 class Seal(NamedTuple):

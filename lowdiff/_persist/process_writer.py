@@ -201,7 +201,7 @@ class ProcessWriter:
         self._rng_sent = rec.rng
         self._chan.send(m.Record(rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                             None if layout.id in self._layouts_sent else layout.wire, m.rng_bytes(rec.rng),
-                            rec.groups, rec.data, rec.skipped, keep_if_orphaned))
+                            rec.groups, rec.data, rec.skipped, keep_if_orphaned, rec.grad_scale))
         if layout.id not in self._layouts_sent:
             remember(self._layouts_sent, layout.id, None)
         self._early_step = rec.step

@@ -61,3 +61,15 @@ def build_optimizer(manifest: Manifest, snap: SnapshotState, params: dict[str, t
     hyper = [decode_value(g, device) for g in snap.param_groups]
     opt.load_state_dict(to_indexed(snap.optimizer_state, group_specs, hyper))
     return opt
+
+
+def unscale(grads: list[torch.Tensor], inv_scale: float) -> None:
+    """Multiply ``grads`` in place by a logged ``grad_scale`` with the kernel GradScaler's ``unscale_`` uses, so
+    every element is rounded as it was when training consumed it."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)

@@ -22,7 +22,7 @@ from lowdiff._compressors import decode_payload, topk
 from lowdiff._recovery import procs
 from lowdiff._recovery.exact_sqrt import fast_sqrt_type, plain
 from lowdiff._recovery.options import DEFAULT_OPTIONS, ReplayOptions
-from lowdiff._recovery.rebuild import construct_like
+from lowdiff._recovery.rebuild import construct_like, unscale
 from lowdiff._storage.format import DTYPES, decode_value
 from lowdiff._storage.log_reader import Segment
 from lowdiff._storage.manifest import Manifest
@@ -256,6 +256,7 @@ class Stepper:
 
     # -- gradients ---------------------------------------------------------------------------------------------
     def set_grads(self, sd: StepData, seg: Segment) -> None:
+        scaled: list[torch.Tensor] = []
         for n in self.params:
             if self.own_set is not None and n not in self.own_set:
                 continue  # another worker's tensor (not read here)
@@ -273,6 +274,11 @@ class Stepper:
                 raise CorruptFileError(f"{seg.files}: step {sd.step} gradient of {n!r} is {g.dtype}, "
                                        f"parameter is {spec.dtype}")
             self._assign(n, g)
+            scaled.append(g)
+        if sd.grad_scale is not None and scaled:
+            unscale(scaled, sd.grad_scale)
+            for n in self.topk_buf:  # scaled in place: not a write of the optimizer's
+                self.topk_version[n] = self.topk_buf[n]._version
 
     def _dense_topk(self, n: str, payload: dict[str, torch.Tensor], shape: Any, seg: Segment,
                     step: int) -> torch.Tensor:
@@ -387,3 +393,4 @@ class Stepper:
                 st[k] = plain(v).cpu() if isinstance(v, torch.Tensor) else v
             out[n] = st
         return out
+

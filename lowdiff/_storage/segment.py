@@ -42,6 +42,10 @@ class StepRecord:
     end_groups: list[dict[str, Any]] | None = None
     """Encoded hyperparameters of each group at the end of the iteration (after the loop's ``sched.step()``): what
     the next step starts from. None until the iteration ends (lowdiff._training.iteration)."""
+    grad_scale: float | None = None
+    """The factor the optimizer's gradients are the decoded payloads times (2.5; None: 1). Under DDP lowdiff's hook
+    compresses the gradients before a GradScaler unscales them: the log holds the scaled ones, and this is the
+    scaler's ``1 / scale`` that the optimizer's step consumed them multiplied by."""
     skipped: bool = False
     """An iteration without an optimizer step (a tracked GradScaler skipped it): no gradients, nothing to replay
     but its buffers, RNG state and tracked state."""
@@ -139,6 +143,8 @@ def _step_meta(r: StepRecord) -> dict[str, Any]:
         meta["end_groups"] = r.end_groups
     if r.skipped:
         meta["skipped"] = True
+    if r.grad_scale is not None:
+        meta["grad_scale"] = r.grad_scale
     return meta
 
 

@@ -10,6 +10,7 @@ sections 5 and 8).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ class StepData:
     """Encoded hyperparameters at the end of the iteration (2.2); None when the writer did not record them."""
     skipped: bool = False
     """An iteration without an optimizer step (2.2): replay applies its buffers but does not step."""
+    grad_scale: float | None = None
+    """The optimizer's gradients are the decoded payloads times this (2.5, FORMAT.md section 5; None: 1)."""
 
 
 @dataclass
@@ -138,6 +141,10 @@ class SegmentReader:
                 check_groups(s["end_groups"], self.manifest, f"{where} end of iteration", with_names=False)
             if not isinstance(s.get("skipped", False), bool):
                 raise self._fail("invalid 'skipped' flag", step=first + i, path=path)
+            scale = s.get("grad_scale")
+            if scale is not None and (not isinstance(scale, float) or not math.isfinite(scale) or scale <= 0):
+                raise self._fail(f"invalid grad_scale {str(scale)[:20]} (a finite float > 0)", step=first + i,
+                                 path=path)
         if self._readers and r is not self._readers[0]:
             m0 = self._readers[0].meta
             if (steps, meta.get("compressor"), params) != (m0["steps"], m0["compressor"], m0.get("compressor_params")):
@@ -295,7 +302,7 @@ class SegmentReader:
 
     def _read_steps(self, params: list[str] | None, with_buffers: bool) -> list[StepData]:
         out = [StepData(step=s["step"], groups=s["groups"], grads={}, buffers={}, end_groups=s.get("end_groups"),
-                        skipped=s.get("skipped") is True) for s in self.steps]
+                        skipped=s.get("skipped") is True, grad_scale=s.get("grad_scale")) for s in self.steps]
         wanted = None if params is None else set(params)
         for pname, fields in self.grad_columns().items():
             if wanted is not None and pname not in wanted:

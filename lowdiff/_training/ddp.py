@@ -69,3 +69,27 @@ def lowdiff_comm_hook(state, bucket):
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def unscaled_by(optimizer: Any, scalers: list[Any]) -> float | None:
+    """The factor a GradScaler multiplied this step's gradients by before ``optimizer`` consumed them (its
+    ``1 / scale``), None when none unscaled them. Under DDP the hook compresses the gradients during backward,
+    before the scaler unscales them, so the log holds the scaled ones and replay needs the factor
+    (StepRecord.grad_scale). ``scalers``: the tracked ones, and the one whose ``step()`` called ``optimizer.step()``.
+    The factor is computed as ``GradScaler.unscale_`` computes it."""
+    from torch.amp.grad_scaler import OptState
+
+    for scaler in scalers:
+        state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+        if state is not None and state.get("stage") is OptState.UNSCALED:
+            return float(scaler._scale.double().reciprocal().float())
+    return None
+
+
+def calling_scaler(frame: Any) -> Any:
+    """The GradScaler whose ``step()`` made this call (``frame``: the caller of ``opt.step()``), or None."""
+    if frame is not None and frame.f_code.co_name == "_maybe_opt_step":
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == "GradScaler":
+            return owner
+    return None
