@@ -138,10 +138,12 @@ class LogConfig:
     them (one concatenation and one copy per bucket); the last, partial bucket is copied in step(). >= 0."""
     backpressure_warn_s: float = 5.0
     """Warn each time training has waited this many seconds more, in all, for a full writer queue (> 0)."""
-    persistence: str = "thread"
-    """Where records are encoded and written: ``thread`` (a background thread of the training process) or
-    ``process`` (a spawned persistence process fed through shared memory, which outlives the trainer: a crash of
-    the training process loses no step whose ``opt.step()`` returned; docs/guide/durability.md)."""
+    persistence: str = "process"
+    """Where records are encoded and written: ``process`` (the default: a persistence process of its own, fed
+    through shared memory, which outlives the trainer, so a crash of the training process loses no step whose
+    ``opt.step()`` returned; docs/guide/durability.md) or ``thread`` (a background thread of the training process:
+    a crash loses the steps not yet written, up to ``batch_steps`` of them). Where a persistence process cannot run
+    (not Linux, no ``memfd_create``), lowdiff says so and uses the thread."""
     when_behind: str = "wait"
     """What happens when the disk falls behind the log: ``wait`` (training waits: back-pressure) or ``replica``
     (LowDiff+: the persistence process applies every step to its shadow replica and writes a snapshot of it

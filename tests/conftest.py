@@ -47,3 +47,46 @@ def train():
 def _assert_state_equal():
     """``assert_state_equal(ref_model_sd, ref_opt_sd, rec)``: bit-exact, torch.equal on every tensor."""
     return assert_state_equal
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _persistence_children() -> list[int]:
+    """This process's own persistence processes still running (``python -m lowdiff._persist.child``)."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == me and b"lowdiff._persist.child" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing_behind(request: pytest.FixtureRequest):
+    """After every test: no new file in /dev/shm (lowdiff shares memory through memfd and anonymous mappings), and no
+    persistence process of this process still running once the test's optimizers are gone (a process collects
+    unclosed ones; module-scoped fixtures may keep theirs open)."""
+    import gc
+    import time
+
+    before = _shm()
+    running = set(_persistence_children())
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (left := set(_persistence_children()) - running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert not left, f"{request.node.nodeid} left persistence process(es) {sorted(left)} running"
+    leaked = _shm() - before
+    assert not leaked, f"{request.node.nodeid} left files in /dev/shm: {sorted(leaked)[:10]}"

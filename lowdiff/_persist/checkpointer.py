@@ -9,6 +9,9 @@ through the :class:`~lowdiff._storage.run_dir.RunDir`. Nothing below calls back 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +111,9 @@ class Checkpointer:
         self.retention = RetentionPolicy(config.snapshot.keep)
         self._writer: Writer | None = None
         self._last_submitted = 0
+        self.on_stop: Callable[[int], None] | None = None
+        """Called by :meth:`close` with the durable step once the log is whole (lowdiff._training.opening writes the
+        compressor's memory of a clean stop there)."""
 
     def start(self, durable_step: int, shadow: Any = None) -> None:
         cfg = self.config
@@ -117,11 +123,15 @@ class Checkpointer:
             batch_steps=self.policy.batch_steps, codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
             compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth, retention=self.retention,
             durable_step=durable_step, shadow=shadow, when_behind=cfg.log.when_behind)
-        if cfg.log.persistence == "process":
+        if cfg.log.persistence == "process" and (why := _process_unavailable()) is None:
             from lowdiff._persist.process_writer import ProcessWriter
 
             self._writer = ProcessWriter(self.run_dir, **settings)
         else:
+            if cfg.log.persistence == "process":
+                log.warning("lowdiff: log.persistence: process cannot run here (%s); %s uses a writer thread, so a "
+                            "crash of this process can lose up to log.batch_steps steps not yet written (set "
+                            "log.persistence: thread to silence this)", why, self.run_dir.path)
             self._writer = BackgroundWriter(self.run_dir, **settings)
 
     def restart(self, shadow: Any) -> None:
@@ -172,6 +182,14 @@ class Checkpointer:
         :meth:`on_step`."""
         if self._writer is not None:
             self._writer.submit_early(record, keep_if_orphaned)
+
+    def on_end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
+                     ) -> None:
+        """The end state of the held ``record``'s iteration is known (its tracked objects' end calls have run),
+        before the iteration formally ends: a persistence process commits the record with it should the training
+        process die now."""
+        if self._writer is not None:
+            self._writer.end_known(record, data, end_groups)
 
     def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
         """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process
@@ -258,10 +276,14 @@ class Checkpointer:
         return step
 
     def close(self) -> None:
+        """Commit everything handed over, then (the log whole) ``on_stop(durable_step)``, then release the run
+        directory."""
         try:
             if self._writer is not None:
                 self._writer.close()
                 self.check()
+                if self.on_stop is not None:
+                    self.on_stop(self._writer.durable_step)
         finally:
             self.run_dir.release()
 
@@ -271,3 +293,15 @@ def _state_nbytes(state: SnapshotState) -> int:
     tensors += [v for st in state.optimizer_state.values() for v in st.values() if hasattr(v, "element_size")]
     tensors += [v for st in state.compressor_state.values() for v in st.values()]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _process_unavailable() -> str | None:
+    """Why a persistence process cannot run on this platform, or None: it shares memory with the trainer through
+    an anonymous memory file (``memfd_create``, Linux) whose descriptor crosses a Unix socket."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return f"no memfd_create on {sys.platform}"
+    try:
+        os.close(os.memfd_create("lowdiff-probe", os.MFD_CLOEXEC))
+    except OSError as e:  # a seccomp profile that forbids it
+        return f"memfd_create failed: {e}"
+    return None

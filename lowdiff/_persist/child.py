@@ -213,6 +213,11 @@ class Session:
                 if rng is not None:
                     staged.item.rng = _rng_tensors(rng)
                 self.submit(staged)
+            case m.EndKnown(step, data, end_groups):
+                staged, _ = self._take_pending(step)
+                staged.item.data = data
+                staged.item.end_groups = end_groups
+                self.pending = (staged, True)
             case m.Rng(step, rng):  # taken again after an evaluation (opt.capture_rng()); the iteration goes on
                 if self.pending is None or self.pending[0].item.step != step:
                     raise RuntimeError(f"lowdiff persistence: an RNG state for step {step}, which is not held")
@@ -306,8 +311,9 @@ class Session:
                 staged, keep = self.pending
                 self.pending = None
                 if keep:
-                    # Nothing tracked changes after opt.step(): the iteration's end state is the step's own.
-                    staged.item.end_groups = staged.item.groups
+                    if staged.item.end_groups is None:
+                        # Nothing tracked changes after opt.step(): the iteration's end state is the step's own.
+                        staged.item.end_groups = staged.item.groups
                     self.submit(staged)
                 else:
                     log.warning("lowdiff: the trainer died during iteration %d, after its opt.step() but before "

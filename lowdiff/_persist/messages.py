@@ -73,6 +73,15 @@ class Seal(NamedTuple):
     rng: dict[str, bytes] | None
 
 
+class EndKnown(NamedTuple):
+    """The end state of the record handed over last is known before its iteration formally ends (the loop's
+    end-of-iteration calls have run): commit the record with it if the trainer dies before the seal."""
+
+    step: int
+    data: dict[str, Any]
+    end_groups: list[dict[str, Any]]
+
+
 class Rng(NamedTuple):
     step: int
     rng: dict[str, bytes]

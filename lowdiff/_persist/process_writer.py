@@ -230,6 +230,15 @@ class ProcessWriter:
         self._rng_sent = rec.rng
         self._chan.send(m.Rng(rec.step, m.rng_bytes(rec.rng)))
 
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
+                  ) -> None:
+        """The end state of the record handed over early is known: from now on this process commits it should the
+        trainer die before the iteration ends."""
+        if record.item.step != self._early_step:
+            return
+        self._kept_if_orphaned = True
+        self._chan.send(m.EndKnown(record.item.step, data, end_groups))
+
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
         rec = record.item

@@ -115,6 +115,10 @@ class BackgroundWriter:
     def drop(self, step: int) -> None:
         """Nothing: an interrupted iteration's record never reached this writer."""
 
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
+                  ) -> None:
+        """Nothing: the record reaches this writer when its iteration ends."""
+
     def submit_record(self, record: Staged[StepRecord]) -> None:
         self._put(record)
 

@@ -4,12 +4,12 @@
 
 Call order (the checkpointer's, lowdiff/_persist/checkpointer.py): ``take_error`` before each step;
 ``submit_early`` when ``opt.step()`` returns (the iteration has not ended), ``retake_rng`` if the loop retakes the
-RNG state before the iteration ends, then ``submit_record`` when it ends (or ``drop`` when an exception interrupted
-it); at snapshot steps, after that step's record, ``submit_snapshot`` or ``submit_shadow_snapshot``;
-``set_batch_steps`` to cut a segment; ``flush`` / ``close`` at the end. Items are
-:class:`lowdiff._transfer.host_copies.Staged`: the writer waits for their copies, persists them through the run
-directory and releases them. A writer never raises a background failure from these calls: it keeps it for
-``take_error``.
+RNG state before the iteration ends, ``end_known`` once the loop's end-of-iteration calls have run, then
+``submit_record`` when it ends (or ``drop`` when an exception interrupted it); at snapshot steps, after that step's
+record, ``submit_snapshot`` or ``submit_shadow_snapshot``; ``set_batch_steps`` to cut a segment; ``flush`` / ``close``
+at the end. Items are :class:`lowdiff._transfer.host_copies.Staged`: the writer waits for their copies, persists them
+through the run directory and releases them. A writer never raises a background failure from these calls: it keeps it
+for ``take_error``.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ class Writer(Protocol):
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None: ...
 
     def retake_rng(self, record: Staged[StepRecord]) -> None: ...
+
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
+                  ) -> None: ...
 
     def submit_record(self, record: Staged[StepRecord]) -> None: ...
 

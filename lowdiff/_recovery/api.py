@@ -21,6 +21,7 @@ from lowdiff._recovery.replayer import (
     PhaseTimes,
     replay_partition,
 )
+from lowdiff._recovery.stop_memory import stop_at
 from lowdiff._storage import layout
 from lowdiff._storage.format import MANIFEST, decode_value
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
@@ -95,6 +96,12 @@ class Recovered:
     """(rank, ranks) when ``recover(..., shard=...)`` replayed only that rank's shards of a fully_shard run: then
     ``model``, ``optimizer`` and ``compressor_state`` hold them under their stored names (``NAME#I-of-N``,
     FORMAT.md section 9) and the buffers; None: the whole model under its own names."""
+    compressor_world_size: int | None = None
+    """Ranks that wrote the compressor memory returned: the stop file's (FORMAT.md section 4a) when ``step`` is a
+    clean stop's step between snapshots, else None (the snapshot's, ``world_size``)."""
+    compressor_name: str | None = None
+    """The compressor that left that memory, when it came from a stop file (a resume with another compressor does
+    not take it)."""
 
 
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
@@ -178,8 +185,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
                                 bytes_read=result.bytes_read, workers=nworkers, mode=mode, times=result.times,
                                 total_s=time.perf_counter() - t_start, skipped=skipped + contested_notes)
         if own is not None:
-            return _assemble_own(stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
-        return _assemble(manifest, result, target, chain, report, device, rank)
+            return _assemble_own(root, manifest, stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
+        return _assemble(root, manifest, result, target, chain, report, device, rank)
 
 
 def _screen_contested(root: Path, manifest: Manifest, damaged: set[Path], skipped: list[str]) -> list[str]:
@@ -266,8 +273,8 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     return result, result.workers, "parallel"
 
 
-def _assemble_own(stored: Manifest, own: list[str], shard: tuple[int, int], r: PartitionResult, target: int,
-                  chain: Chain, report: RecoveryReport, device: str) -> Recovered:
+def _assemble_own(root: Path, manifest: Manifest, stored: Manifest, own: list[str], shard: tuple[int, int],
+                  r: PartitionResult, target: int, chain: Chain, report: RecoveryReport, device: str) -> Recovered:
     """One rank's shards, under their stored names (``recover(..., shard=...)``)."""
     mine = set(own)
     model: OrderedDict[str, torch.Tensor] = OrderedDict(r.buffers)
@@ -278,14 +285,19 @@ def _assemble_own(stored: Manifest, own: list[str], shard: tuple[int, int], r: P
     comp = {n: st if exact else {"q": st["q"]} for n, st in r.compressor_state.items()
             if n in mine and (exact or "q" in st)}
     comp.update({n: {"q": q} for n, q in r.last_q.items() if n in mine and not exact})
+    stopped = None if exact else stop_at(root, manifest, target, None, shard[1], report.skipped)
+    if stopped is not None:
+        comp, exact = {n: st for n, st in stopped[0].compressor_state.items() if n in mine}, True
     end = None if r.end_groups is None else [{k: v for k, v in decode_value(g, device).items() if k != "params"}
                                              for g in r.end_groups]
     return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
                      compressor_state_exact=exact, report=report, rng=r.rng, data=r.data, end_groups=end,
-                     world_size=len(chain.snapshot.paths), shard=shard)
+                     world_size=len(chain.snapshot.paths), shard=shard,
+                     compressor_world_size=None if stopped is None else stopped[0].ranks,
+                     compressor_name=None if stopped is None else stopped[0].compressor_name)
 
 
-def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain, report: RecoveryReport,
+def _assemble(root: Path, manifest: Manifest, r: PartitionResult, target: int, chain: Chain, report: RecoveryReport,
               device: str = "cpu", rank: int | None = None) -> Recovered:
     count = layout.layout_of(manifest, chain.snapshot)
     stored = layout.view(manifest, count)
@@ -309,7 +321,12 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
         comp = {n: {"q": st["q"]} for n, st in comp_state.items() if "q" in st}
         comp.update({n: {"q": q} for n, q in r.last_q.items()})
     rank_state: dict[str, dict[str, torch.Tensor]] = {}
-    if exact and rank is not None:
+    stopped = None if exact else stop_at(root, manifest, target, rank, count, report.skipped)
+    if stopped is not None:
+        stop = stopped[0]
+        _, _, comp = layout.unshard(manifest, count, r.params, {}, stop.compressor_state)
+        rank_state, exact = stop.rank_compressor_state, True
+    elif exact and rank is not None:
         try:
             rank_state = read_rank_state(chain.snapshot, stored, rank)
         except CorruptFileError as e:  # only compression's memory is lost: parameters and optimizer are exact
@@ -320,4 +337,6 @@ def _assemble(manifest: Manifest, r: PartitionResult, target: int, chain: Chain,
                                              for g in r.end_groups]
     return Recovered(step=target, model=model, optimizer=optimizer, compressor_state=comp,
                      compressor_state_exact=exact, report=report, rng=r.rng, data=r.data, end_groups=end,
-                     world_size=len(chain.snapshot.paths), rank_compressor_state=rank_state)
+                     world_size=len(chain.snapshot.paths), rank_compressor_state=rank_state,
+                     compressor_world_size=None if stopped is None else stopped[0].ranks,
+                     compressor_name=None if stopped is None else stopped[0].compressor_name)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowdiff._storage.format import FileSet, list_segments, list_snapshots
+from lowdiff._storage.format import STOP_DIR, FileSet, list_segments, list_snapshots
 from lowdiff._storage.layout import for_files, layouts
 from lowdiff._storage.log_reader import chains
 from lowdiff._storage.manifest import Manifest, read_manifest
@@ -35,6 +35,8 @@ class RunInfo:
     tuner_decisions: list[dict[str, Any]] = field(default_factory=list)
     tuner_error: str | None = None
     """Why ``tuner.json`` could not be read (None: read, or absent)."""
+    stop_steps: list[int] = field(default_factory=list)
+    """Steps a clean stop saved the compressor's memory at (FORMAT.md section 4a): a resume there is exact."""
     log_compressor: tuple[str, dict[str, Any]] | None = None
     """The compressor (name, ``ratio``/``rank``) the newest segment was written with; it differs from the
     manifest's when a resume changed the compressor (None: no readable segment)."""
@@ -64,6 +66,9 @@ class RunInfo:
             lines.append("  log: empty")
         if self.latest_step is not None:
             lines.append(f"  latest recoverable step: {self.latest_step}")
+        if self.stop_steps:
+            lines.append(f"  clean stop at step {_ranges(self.stop_steps)}: the compressor's memory is saved there, "
+                         "so a resume at that step is exact")
         if self.tuner_error is not None:
             lines.append(f"  tuner decisions: unreadable {DECISIONS_FILE} ({self.tuner_error})")
         elif self.tuner_decisions:
@@ -91,6 +96,7 @@ def inspect(run_dir: str | os.PathLike[str]) -> RunInfo:
         except (OSError, ValueError, KeyError, TypeError) as e:
             error = str(e)
     return RunInfo(run_dir=root, manifest=manifest, snapshot_steps=sorted(snaps),
+                   stop_steps=sorted(list_snapshots(root, STOP_DIR)),
                    log_compressor=_newest_compressor(manifest, segs),
                    snapshot_bytes=sum(f.nbytes for f in snaps.values()),
                    segments=[(a, b) for a, b, _ in segs], log_bytes=sum(f.nbytes for _, _, f in segs),

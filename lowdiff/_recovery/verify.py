@@ -17,12 +17,13 @@ from typing import Any
 from lowdiff._compressors import decode_payload
 from lowdiff._recovery.api import check_optimizer
 from lowdiff._recovery.optimizers import check_snapshot_state
-from lowdiff._storage.format import DTYPES, list_segments, list_snapshots
+from lowdiff._storage.format import DTYPES, STOP_DIR, list_segments, list_snapshots
 from lowdiff._storage.layout import for_files
 from lowdiff._storage.log_reader import chains, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state, read_snapshot
+from lowdiff._storage.stop import read_stop
 from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError
 
 
@@ -104,6 +105,19 @@ def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = No
         except LowDiffError as e:
             report.problems.append(str(e))
             bad.update(files.paths)
+        if progress is not None:
+            progress(1)
+    for _step, files in list_snapshots(root, STOP_DIR).items():  # a clean stop's compressor memory (section 4a)
+        report.files += 1
+        try:
+            stored = for_files(manifest, files)
+            ranks: list[int | None] = list(range(len(files.paths))) if len(files.paths) > 1 else [None]
+            for who in ranks:
+                read_stop(files, stored, who)
+        except FileVanishedError as e:
+            report.vanished.append(str(e))
+        except LowDiffError as e:
+            report.problems.append(str(e))
         if progress is not None:
             progress(1)
     report.problems += [contested_note(a, b) for a, b in contested(root, frozenset(bad))]

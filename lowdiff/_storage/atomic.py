@@ -142,7 +142,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def clean_stale_tmp(run_dir: Path) -> list[Path]:
     """Remove ``*.tmp`` left by a crashed writer (call only while holding the writer lock)."""
     removed = []
-    for d in (run_dir, run_dir / "snapshots", run_dir / "log"):
+    for d in (run_dir, run_dir / "snapshots", run_dir / "log", run_dir / "stops"):
         if d.is_dir():
             for p in d.iterdir():
                 if p.name.endswith(TMP_SUFFIX) and p.is_file():

@@ -18,11 +18,13 @@ from lowdiff.errors import CorruptFileError, UnsupportedError
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
-FORMAT_MINOR = 4  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
-# 2.3: sharded (fully_shard) layouts in the manifest; 2.4: the run's history (branches) in the manifest and files
+FORMAT_MINOR = 5  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
+# 2.3: sharded (fully_shard) layouts in the manifest; 2.4: the run's history (branches) in the manifest and files;
+# 2.5: the compressor memory a clean stop saves (stops/)
 MANIFEST = "manifest.json"
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
+STOP_DIR = "stops"
 LOCK_FILE = "writer.lock"
 PERSIST_LOCK_GLOB = "persist-*.lock"  # persist-IIIII.lock: rank I's persistence process (FORMAT.md section 1)
 TMP_SUFFIX = ".tmp"
@@ -124,10 +126,11 @@ def _complete(groups: dict[tuple[Any, ...], dict[Shard, Path]]) -> dict[tuple[An
     return out
 
 
-def list_snapshots(run_dir: Path) -> dict[int, FileSet]:
-    """Committed, complete snapshots by step (``*.tmp``, foreign names and incomplete shard sets ignored)."""
+def list_snapshots(run_dir: Path, directory: str = SNAPSHOT_DIR) -> dict[int, FileSet]:
+    """Committed, complete snapshots by step (``*.tmp``, foreign names and incomplete shard sets ignored); with
+    ``directory`` STOP_DIR, the stop files (FORMAT.md section 4a), which are named like snapshots."""
     groups: dict[tuple[Any, ...], dict[Shard, Path]] = {}
-    d = run_dir / SNAPSHOT_DIR
+    d = run_dir / directory
     if d.is_dir():
         for p in d.iterdir():
             parsed = parse_snapshot_name(p.name)
@@ -149,9 +152,9 @@ def list_segments(run_dir: Path) -> list[tuple[int, int, FileSet]]:
 
 
 def files_beyond(run_dir: Path, step: int) -> list[Path]:
-    """Every snapshot or segment file (complete set or not) holding a step after ``step``."""
+    """Every snapshot, segment or stop file (complete set or not) holding a step after ``step``."""
     out = []
-    for sub in (SNAPSHOT_DIR, LOG_DIR):
+    for sub in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR):
         d = run_dir / sub
         if not d.is_dir():
             continue

@@ -27,7 +27,16 @@ from typing import Any
 
 from lowdiff._storage import history
 from lowdiff._storage.atomic import clean_stale_tmp, fsync_dir, write_json_atomic
-from lowdiff._storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, UNSHARDED, Shard, files_beyond, parse_snapshot_name
+from lowdiff._storage.format import (
+    LOG_DIR,
+    MANIFEST,
+    SNAPSHOT_DIR,
+    STOP_DIR,
+    UNSHARDED,
+    Shard,
+    files_beyond,
+    parse_snapshot_name,
+)
 from lowdiff._storage.lock import WriterLock, wait_for_persistence
 from lowdiff._storage.manifest import (
     Manifest,
@@ -41,6 +50,7 @@ from lowdiff._storage.manifest import (
 from lowdiff._storage.retention import apply_retention
 from lowdiff._storage.segment import StepRecord, write_segment
 from lowdiff._storage.snapshot import SnapshotState, write_snapshot
+from lowdiff._storage.stop import StopState, prune_stops, write_stop
 from lowdiff.errors import CheckpointWriteError
 
 log = logging.getLogger(__name__)
@@ -88,7 +98,7 @@ class RunDir:
     def open(self) -> None:
         """Create the layout, take the writer lock and remove stale ``*.tmp`` files (one rank per job)."""
         try:
-            for d in (self.path, self.path / SNAPSHOT_DIR, self.path / LOG_DIR):
+            for d in (self.path, self.path / SNAPSHOT_DIR, self.path / LOG_DIR, self.path / STOP_DIR):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(e.errno, f"cannot create the run directory {self.path}: {e.strerror or e}",
@@ -168,6 +178,14 @@ class RunDir:
         return write_segment(self.path, list(records), codec, compressor, self.shard, run_id=self.run_id,
                              branch=self.branch, compressor_params=self.compressor_params)
 
+    def write_stop(self, state: StopState, codec: str) -> int:
+        """Commit this rank's share of the stop file at ``state.step`` (FORMAT.md section 4a); returns bytes."""
+        return write_stop(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch)
+
+    def prune_stops(self, keep_step: int) -> list[Path]:
+        """Delete the stop files of steps before ``keep_step`` (one rank: every shard goes)."""
+        return prune_stops(self.path, keep_step) if self.shard.index == 0 else []
+
     def apply_retention(self, policy: RetentionPolicy) -> list[Path]:
         """Delete what ``policy`` does not keep (one rank: the files of every shard go together)."""
         if not policy.keep_snapshots or self.shard.index != 0:
@@ -200,8 +218,9 @@ class RunDir:
             shutil.move(str(p), target)
             out.append(target)
             log.warning("lowdiff: moved %s to %s (%s)", p, target, why)
-        for d in (qdir, self.path / SNAPSHOT_DIR, self.path / LOG_DIR):
-            fsync_dir(d)
+        for d in (qdir, self.path / SNAPSHOT_DIR, self.path / LOG_DIR, self.path / STOP_DIR):
+            if d.is_dir():
+                fsync_dir(d)
         return out
 
     # -- the tuner's record --------------------------------------------------------------------------------------

@@ -222,13 +222,13 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
             if only is not None and rest not in only:
                 continue
             spec = manifest.param(rest)
-            state.params[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
+            state.params[rest] = read_entry(r, name, d, expect=(spec.shape, spec.dtype))
         elif kind == "buffer":
             if not manifest.has_buffer(rest):
                 raise CorruptFileError(f"{where}: buffer {rest!r} is not in the manifest")
             if with_buffers:
                 spec = manifest.buffer(rest)
-                state.buffers[rest] = _read(r, name, d, expect=(spec.shape, spec.dtype))
+                state.buffers[rest] = read_entry(r, name, d, expect=(spec.shape, spec.dtype))
         elif kind == "rng":
             nrng += 1
             if nrng > MAX_RNG_SOURCES or not RNG_SOURCE_RE.match(rest) or d.get("dtype") != "uint8" \
@@ -240,13 +240,13 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
                 raise CorruptFileError(f"{where}: RNG state {rest!r} of {str(d['shape'])[:20]} bytes; its layout has "
                                        f"{size}")
             if with_buffers:
-                state.rng[rest] = _read(r, name, d, max_numel=RNG_MAX_NBYTES)
+                state.rng[rest] = read_entry(r, name, d, max_numel=RNG_MAX_NBYTES)
         elif kind == "rank":
             # One rank's own state, in that rank's shard (2.2): read only for the rank asked for.
-            rank = _rank_entry(rest, shard, where)
-            pname, key, spec = _compressor_entry(rest.split("/", 1)[1], optimized, manifest, where)
+            rank = rank_entry(rest, shard, where)
+            pname, key, spec = compressor_entry(rest.split("/", 1)[1], optimized, manifest, where)
             if rank == rank_state:
-                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                t = read_entry(r, name, d, max_numel=max(spec.numel, 1))
                 check_compressor_tensor(t, spec, key, f"{where} [{name}]")
                 state.rank_compressor_state.setdefault(pname, {})[key] = t
         elif kind in ("optim", "compressor"):
@@ -258,14 +258,14 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
                 continue
             spec = manifest.param(pname)
             if kind == "optim":
-                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                t = read_entry(r, name, d, max_numel=max(spec.numel, 1))
                 state_numel[pname] = state_numel.get(pname, 0) + t.numel()
                 if state_numel[pname] > MAX_STATE_PER_ELEMENT * max(spec.numel, 1) + 64:
                     raise CorruptFileError(f"{where}: more optimizer state for {pname!r} than any torch.optim "
                                            "optimizer keeps")
                 check_state_tensor(t, spec, key, f"{where} [{name}]")
             else:
-                t = _read(r, name, d, max_numel=max(spec.numel, 1))
+                t = read_entry(r, name, d, max_numel=max(spec.numel, 1))
                 check_compressor_tensor(t, spec, key, f"{where} [{name}]")
             target = state.optimizer_state if kind == "optim" else state.compressor_state
             target.setdefault(pname, {})[key] = t
@@ -281,7 +281,7 @@ def _read_entries(r: ContainerReader, manifest: Manifest, only: set[str] | None,
     return state
 
 
-def _rank_entry(rest: str, shard: Any, where: str) -> int:
+def rank_entry(rest: str, shard: Any, where: str) -> int:
     """The rank of a ``rank/RRRRR/compressor/NAME/KEY`` entry, which only that rank's shard of a set may hold."""
     parts = rest.split("/", 1)
     if len(parts) != 2 or not re.fullmatch(r"\d{5}", parts[0]) or not parts[1].startswith("compressor/"):
@@ -293,7 +293,7 @@ def _rank_entry(rest: str, shard: Any, where: str) -> int:
     return rank
 
 
-def _compressor_entry(rest: str, optimized: set[str], manifest: Manifest, where: str) -> tuple[str, str, Any]:
+def compressor_entry(rest: str, optimized: set[str], manifest: Manifest, where: str) -> tuple[str, str, Any]:
     pname, _, key = rest.removeprefix("compressor/").rpartition("/")
     if pname not in optimized or not STATE_KEY_RE.match(key):
         raise CorruptFileError(f"{where}: compressor state {key[:40]!r} of {pname[:80]!r}, which is not an "
@@ -301,7 +301,7 @@ def _compressor_entry(rest: str, optimized: set[str], manifest: Manifest, where:
     return pname, key, manifest.param(pname)
 
 
-def _read(r: ContainerReader, name: str, d: dict[str, Any], expect: tuple[tuple[int, ...], str] | None = None,
+def read_entry(r: ContainerReader, name: str, d: dict[str, Any], expect: tuple[tuple[int, ...], str] | None = None,
           max_numel: int | None = None) -> torch.Tensor:
     where = f"{r.path} [{name}]"
     dtype = parse_dtype(d.get("dtype"), where)

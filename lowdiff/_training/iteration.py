@@ -75,6 +75,9 @@ class Tracker:
 
     def __init__(self) -> None:
         self.objects: dict[str, tuple[Any, str]] = {}
+        self.end_seen: set[str] = set()
+        """Names of objects tracked at the end whose end-of-iteration call lowdiff sees (a GradScaler's update(), an
+        LR scheduler's step()): once each has been called, the iteration's end state is known."""
 
     def __len__(self) -> int:
         return len(self.objects)
@@ -150,11 +153,34 @@ class IterationEnd:
         self.optimizer = optimizer
         self.checkpointer = checkpointer
         self.pending: Pending | None = None
+        self._called: set[int] = set()
 
     def hold(self, pending: Pending) -> None:
         assert self.pending is None, "the previous iteration was not sealed"
         self.pending = pending
+        self._called = set()
         self.checkpointer.on_hold(pending.record, keep_if_orphaned=self.end_free())
+
+    def end_call(self, obj: Any) -> None:
+        """A tracked object's end-of-iteration call (``sched.step()``, ``scaler.update()``) has run. Once every
+        object tracked at the end has made its call, the held iteration's end state is known before the iteration
+        formally ends (at the next ``opt.step()``): it goes to the persistence process, which then commits the
+        iteration even if the trainer dies first (a crash loses no step whose ``opt.step()`` returned)."""
+        p = self.pending
+        if p is None:
+            return
+        self._called.add(id(obj))
+        at_end = [(n, o) for n, (o, kind) in self.tracker.objects.items() if kind == AT_END]
+        if not all(n in self.tracker.end_seen and id(o) in self._called for n, o in at_end):
+            return
+        end, errors = self.tracker.state(AT_END)
+        if errors:
+            return  # raised when the iteration ends
+        try:
+            end_groups = encode_groups(self.optimizer.param_groups)
+        except UnsupportedError:
+            return
+        self.checkpointer.on_end_known(p.record, {**p.record.item.data, **end}, end_groups)
 
     def retake_rng(self, rng: dict[str, Any]) -> bool:
         """The held iteration continues from ``rng`` (taken now, after draws made since its ``opt.step()``): its

@@ -7,140 +7,28 @@ from __future__ import annotations
 import atexit
 import inspect
 import logging
-import os
-import signal
 import sys
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from lowdiff._persist import signals
 from lowdiff._persist.checkpointer import Checkpointer
+from lowdiff._training import interrupts
 from lowdiff._training.capture import LayerwiseCapture
+from lowdiff._training.interrupts import OPEN, Wrapper, guard_sigint, install_sigterm
 from lowdiff._training.iteration import IterationEnd
 from lowdiff._transfer.host_copies import on_copy_thread
 from lowdiff.config import Config
 from lowdiff.errors import UnsupportedError
 
-
-class Wrapper(Protocol):
-    """What this module needs of the optimizer wrapper (lowdiff._training.optimizer), which imports this module."""
-
-    config: Config
-
-    def close(self, interrupted: bool = False) -> None: ...
-
-log = logging.getLogger("lowdiff._training.optimizer")
-
-OPEN: weakref.WeakSet[Wrapper] = weakref.WeakSet()
-"""Wrappers with a run directory, not closed yet."""
+log = logging.getLogger(__name__)
 
 
-SIGTERM_EXIT = 128 + signal.SIGTERM
-"""The exit status of a trainer that lowdiff's SIGTERM handler stopped (what a shell reports for SIGTERM)."""
-_terminated = False
-_deferred = 0
-MAX_DEFERRALS = 200
-"""How many times (5 ms apart) SIGTERM waits for the main thread to leave lowdiff's code."""
-
-
-class Terminated(SystemExit):
-    """Raised in the main thread by lowdiff's SIGTERM handler: the stack unwinds (``with opt:`` and ``finally``
-    blocks run), the open wrappers are closed at exit with the interrupted iteration left out, and the process exits
-    with status 143."""
-
-
-def _inside_lowdiff(frame: Any, outside: tuple[str, ...] = ("lowdiff.integrations",)) -> bool:
-    """Whether the main thread is in lowdiff's own code (not the integrations, which run the user's loop, nor
-    the modules named in ``outside``)."""
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("lowdiff.") and not name.startswith(outside):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    global _terminated, _deferred, _int_deferred, _int_pending
-    if signals.state.sending or (_inside_lowdiff(frame) and _deferred < MAX_DEFERRALS):
-        # Not in the middle of lowdiff's bookkeeping (a step staged but not held, a record sealed but not handed
-        # over): the signal comes back to the main thread in 5 ms (interrupting a sleep or a blocking call there),
-        # until the main thread is in the user's code; after 1 s of that, it is taken wherever the thread is. Never
-        # inside a message to the persistence process (lowdiff/_persist/signals.py).
-        if not signals.state.sending:
-            _deferred += 1
-        threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM)).start()
-        return
-    _terminated = True
-    _int_deferred, _int_pending = 0, False  # a Ctrl-C deferred before: this exit supersedes it
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    log.warning("lowdiff: SIGTERM: flushing the log before exiting (a second SIGTERM exits at once)")
-    raise Terminated(SIGTERM_EXIT)
-
-
-_int_deferred = 0
-_int_pending = False
-_int_resent = False
-_int_pid: int | None = None
-
-
-def _on_sigint(signum: int, frame: Any) -> None:
-    """Python's KeyboardInterrupt, raised outside lowdiff's own code. A Ctrl-C taken in the middle of lowdiff's
-    bookkeeping (a record handed over but not marked so, a message to the persistence process half built) left
-    the persistence process expecting a step it never got: it failed, and the next step raised
-    CheckpointWriteError. Deferred, it is raised as ``opt.step()`` returns (:func:`raise_deferred_interrupt`), or
-    where the main thread is 5 ms later if it has left lowdiff's code by then (the signal comes back, interrupting a
-    wait); after 1 s of that, wherever the thread is. Deferred only while a wrapper is open, in the process that
-    installed the handler (not a DataLoader worker forked from it), and not in lowdiff.data's loader, which runs
-    the program's dataset code."""
-    global _int_deferred, _int_pending, _int_resent
-    resent, _int_resent = _int_resent, False
-    if resent and not _int_pending:
-        return  # the re-sent signal of an interrupt already raised at the end of a step
-    deferring = signals.state.sending or (
-        _inside_lowdiff(frame, ("lowdiff.integrations", "lowdiff.data")) and _int_deferred < MAX_DEFERRALS)
-    if deferring and len(OPEN) and os.getpid() == _int_pid:
-        if not signals.state.sending:
-            _int_deferred += 1
-        _int_pending = True
-        threading.Timer(0.005, _resend_sigint).start()
-        return
-    _int_deferred, _int_pending = 0, False
-    raise KeyboardInterrupt
-
-
-def _resend_sigint() -> None:
-    global _int_resent
-    if _int_pending:
-        _int_resent = True
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-
-
-def raise_deferred_interrupt() -> None:
-    """Raise the KeyboardInterrupt of a Ctrl-C deferred while lowdiff's code ran (called as ``opt.step()``
-    returns: its step is applied and logged)."""
-    global _int_deferred, _int_pending
-    if _int_pending and threading.current_thread() is threading.main_thread():
-        _int_deferred, _int_pending = 0, False
-        raise KeyboardInterrupt
-
-
-def guard_sigint() -> None:
-    """Install lowdiff's SIGINT handler over Python's default one: at ``wrap()``, and at every step, since a
-    notebook kernel puts the default back for each cell it runs. A handler of the program's own is left alone."""
-    global _int_pid
-    if len(OPEN) and signal.getsignal(signal.SIGINT) is signal.default_int_handler \
-            and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint)
-        _int_pid = os.getpid()
-
-
-signals.HANDLERS.update({_on_sigterm, _on_sigint})
 
 
 def several_at_resume(opt: Wrapper) -> None:
@@ -157,6 +45,19 @@ def several_at_resume(opt: Wrapper) -> None:
                 "an iteration ahead (docs/guide/exact-resume.md, 'Several optimizers')", len(others) + 1)
 
 
+def close_earlier(run_dir: str | Path) -> None:
+    """Before a wrapper opens ``run_dir``: an open wrapper of this process that holds it (a notebook cell run
+    again, a script that wraps twice) is closed first, its steps logged. Left open, it would keep the new one
+    waiting for its persistence process, or refused by its lock."""
+    target = Path(run_dir).resolve()
+    for opt in list(OPEN):
+        if Path(opt.config.run_dir).resolve() == target:
+            log.warning("lowdiff: %s is open in this process by an earlier lowdiff optimizer (a cell run again?); "
+                        "closing that one first (everything it logged is kept: resume() continues from it)",
+                        opt.config.run_dir)
+            opt.close()
+
+
 def opened(opt: Wrapper) -> None:
     """``opt`` holds a run directory until it is closed. The first one installs the SIGTERM handler, when the
     process has none of its own and this is the main thread: a scheduler's SIGTERM then flushes the log (what
@@ -166,8 +67,7 @@ def opened(opt: Wrapper) -> None:
     OPEN.add(opt)
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    install_sigterm()
     guard_sigint()
 
 
@@ -175,7 +75,8 @@ def opened(opt: Wrapper) -> None:
 def _close_at_exit() -> None:
     # An uncaught exception ended the script (the interpreter sets sys.last_value before exit handlers run), or
     # SIGTERM did: the iteration in progress may have stopped halfway, so it is not logged.
-    interrupted = getattr(sys, "last_value", None) is not None or _terminated
+    interrupts.exiting = True
+    interrupted = getattr(sys, "last_value", None) is not None or interrupts.terminated()
     for opt in list(OPEN):
         try:
             opt.close(interrupted=interrupted)
@@ -221,6 +122,49 @@ def hook_scaler_update(on_update: Callable[[Callable[[Any], Any], Any], Any], sc
         return update(new_scale) if handler is None else handler(update, new_scale)
 
     scaler.update = lowdiff_update
+
+
+_END_CALLED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""Per hooked scheduler: the weak method told after each of its ``step()`` calls."""
+_SEEING: dict[type, type] = {}
+
+
+def hook_scheduler_step(on_called: Callable[[Any], None], scheduler: Any) -> bool:
+    """Tell ``on_called(scheduler)`` after each of a tracked LR scheduler's ``step()`` calls (the end of an
+    iteration, lowdiff._training.iteration.IterationEnd.end_call); the scheduler holds the wrapper weakly. An
+    instance attribute would land in the scheduler's ``state_dict()`` (all of its ``__dict__``), so the scheduler's
+    class is swapped for a subclass whose ``step()`` says so. False when that cannot be done (a class with
+    ``__slots__``, say): then that iteration's end is known only at the next ``opt.step()``."""
+    cls = type(scheduler)
+    sub = _SEEING.get(cls)
+    if sub is None:
+        if hasattr(cls, "__slots__"):
+            return False
+
+        base_step = cls.step
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = base_step(self, *args, **kwargs)
+            ref = _END_CALLED.get(self)
+            handler = ref() if ref is not None else None
+            if handler is not None:
+                handler(self)
+            return out
+
+        sub = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _SEEING[cls] = sub
+    try:
+        scheduler.__class__ = sub
+    except TypeError:
+        return False
+    _END_CALLED[scheduler] = weakref.WeakMethod(on_called)
+    return True
+
+
+def is_scheduler(obj: Any) -> bool:
+    sched = torch.optim.lr_scheduler
+    return isinstance(obj, (sched.LRScheduler, sched.ReduceLROnPlateau))
 
 
 def init_hook_dicts(opt: torch.optim.Optimizer) -> None:

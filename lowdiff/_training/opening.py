@@ -15,10 +15,10 @@ from lowdiff._compressors import make_compressor
 from lowdiff._persist.checkpointer import Checkpointer, make_policy
 from lowdiff._persist.coordinator import Coordinator, owned_names
 from lowdiff._persist.shadow import ShadowReplica, make_shadow
-from lowdiff._storage.format import Shard, encode_groups
+from lowdiff._storage.format import Shard, encode_groups, list_snapshots
 from lowdiff._storage.run_dir import RunDir
 from lowdiff._storage.snapshot import SnapshotState
-from lowdiff._training import fsdp
+from lowdiff._training import fsdp, lifecycle
 from lowdiff._training.capture import LayerwiseCapture
 from lowdiff._training.ddp import HookState, ProcessGroupComm, lowdiff_comm_hook
 from lowdiff._training.iteration import IterationEnd, Tracker
@@ -49,6 +49,9 @@ class LoopState:
     """Back-pressure already reported, seconds."""
     step0: Any = None
     """Until the first step: what snapshot 0 holds (lowdiff._training.step_zero), or REWRITE."""
+    memory_step: int | None = None
+    """The step the compressor's memory is the memory after (None: it has moved since a logged step, or nothing
+    was trained in this process)."""
 
 
 class Run:
@@ -106,6 +109,7 @@ class Run:
         self.iteration: IterationEnd | None = None
         if not config.enabled:
             return
+        lifecycle.close_earlier(config.run_dir)
         run_dir = RunDir(config.run_dir, Shard(self.coord.rank, self.coord.world_size),
                          compressor_params={"ratio": cc.ratio, "rank": cc.rank})
         self.run_dir = run_dir
@@ -113,6 +117,7 @@ class Run:
             policy = make_policy(config, run_dir, self.coord,
                                  record_bytes_bound([(n, fsdp.local(p)) for n, p in self.spec.optimized], cc))
             self.checkpointer = Checkpointer(config, run_dir, policy)
+            self.checkpointer.on_stop = self.write_stop
             self.iteration = IterationEnd(self.tracker, optimizer, self.checkpointer)
             self._open(run_dir, self.checkpointer)
         except BaseException:
@@ -187,3 +192,28 @@ class Run:
         if not self.config.snapshot.shadow:
             return None
         return make_shadow(self.spec, state, type(self.inner), world_size=self.coord.world_size)
+
+    def write_stop(self, durable_step: int) -> None:
+        """At a clean stop, the log whole up to ``durable_step``: save the compressor's memory of that step, which the
+        log cannot rebuild (lowdiff._storage.stop), so a resume there continues bit for bit. Only when the memory is
+        that step's (no compression since: a backward pass under DDP, an interrupted step) and no snapshot there
+        holds it already."""
+        loop, run_dir = self.loop, self.run_dir
+        if run_dir is None or self.compressor.name == "none" or loop.step == 0:
+            return
+        moved = loop.memory_step != loop.step or durable_step != loop.step or bool(self.hook and self.hook.payloads)
+        if moved:
+            log.info("lowdiff: the compressor's memory is not that of step %d, the last logged one: no stop file "
+                     "(a resume there restarts error-feedback residuals at zero)", durable_step)
+            return
+        if loop.step in list_snapshots(run_dir.path):
+            return
+        try:
+            nbytes = run_dir.write_stop(self.stager.stop_state(loop.step), self.codec)
+            run_dir.prune_stops(loop.step)
+        except (OSError, LowDiffError) as e:
+            log.warning("lowdiff: could not save the compressor's memory at step %d in %s (%s); a resume there "
+                        "restarts error-feedback residuals at zero", loop.step, run_dir.path, e)
+            return
+        log.info("lowdiff: saved the compressor's memory at step %d (%d bytes): a resume there is exact", loop.step,
+                 nbytes)

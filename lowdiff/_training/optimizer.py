@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -16,10 +17,10 @@ from lowdiff._compressors import Payload
 from lowdiff._compressors.base import StepPayloads
 from lowdiff._persist.checkpointer import CheckpointStats, LayerwiseStats
 from lowdiff._storage.format import encode_groups
-from lowdiff._training import fsdp, lifecycle
-from lowdiff._training.iteration import AT_STEP, Pending, is_grad_scaler
+from lowdiff._training import fsdp, interrupts, lifecycle
+from lowdiff._training.ddp import calling_scaler, unscaled_by
+from lowdiff._training.iteration import AT_END, AT_STEP, Pending, is_grad_scaler
 from lowdiff._training.lifecycle import (
-    OPEN,
     hook_scaler_update,
     init_hook_dicts,
     refuse_reevaluating,
@@ -130,10 +131,17 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         returns ``obj``. Under DDP every rank must track the same names with the same state."""
         if self._loop.step > 0:
             raise LowDiffError(f"opt.track({name!r}) must come before opt.resume() and the first step")
-        self._run.tracker.add(obj, name, at)
+        kind = self._run.tracker.add(obj, name, at)
         if is_grad_scaler(obj):
             hook_scaler_update(self._scaler_update, obj)
+            self._run.tracker.end_seen.add(name)
+        elif kind == AT_END and lifecycle.is_scheduler(obj) and lifecycle.hook_scheduler_step(self._end_call, obj):
+            self._run.tracker.end_seen.add(name)
         return obj
+
+    def _end_call(self, obj: Any) -> None:
+        if self._run.iteration is not None:
+            self._run.iteration.end_call(obj)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -152,9 +160,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     def flush(self) -> int:
         """End the iteration in progress (call it after the loop's last change to tracked objects) and commit
         every logged step; returns the newest durable step."""
+        interrupts.stop_if_requested(self._end_iteration)
+        self._end_iteration()
+        return self._run.checkpointer.flush() if self._run.checkpointer else self._loop.step
+
+    def _end_iteration(self) -> None:
         if self._run.iteration is not None:
             self._run.iteration.seal()
-        return self._run.checkpointer.flush() if self._run.checkpointer else self._loop.step
 
     def capture_rng(self) -> None:
         """Take the RNG state for the iteration in progress again, now: call it after random draws that come
@@ -190,7 +202,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if self._loop.closed:
             return
         self._loop.closed = True
-        OPEN.discard(self)
+        interrupts.OPEN.discard(self)
         if self._run.checkpointer is not None:
             self._run.stager.settle_snapshot()  # a copy still running must not outlive the buffers close gives back
             # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
@@ -200,6 +212,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._run.stager.copier.close()
         elif self._run.stager.layerwise is not None:
             self._run.stager.layerwise.remove()
+        interrupts.after_close()
 
     def __enter__(self) -> LowDiffOptimizer:
         return self
@@ -215,7 +228,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         ``closure`` (Lightning passes one): run once, with gradients enabled, before the step (it computes the loss
         and the gradients); its value is returned."""
         self._check_usable()
-        lifecycle.guard_sigint()
+        interrupts.stop_if_requested(self._end_iteration)  # after a SIGTERM: the last iteration has ended
+        interrupts.guard_sigint()
         if self._run.writes is not None:
             self._run.writes.check(self._loop.step + 1)
         if self._run.hooks is not None:
@@ -239,6 +253,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             # step change what it reads. Time spent waiting for it here is reported as waiting for the writer.
             self._run.checkpointer.waited(self._run.stager.settle_snapshot())
         t_apply = time.perf_counter()
+        self._loop.memory_step = None  # compressing changes the compressor's memory (the stop file's condition)
         aggregated = self._run.hook.take() if self._run.hook is not None else None
         grads, payloads = self._payloads(aggregated)
         ckpt = self._run.checkpointer
@@ -256,15 +271,20 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         step = self._loop.step + 1
         self._loop.step = step
         self._loop.stepped = True
+        self._loop.memory_step = step
         if ckpt is not None and copies is not None:
-            self._hold(self._run.stager.finish_step(copies, step, groups, data), apply_s)
+            scale = None
+            if aggregated is not None:  # DDP: the hook compressed the gradients before a GradScaler unscaled them
+                scalers = [*self._run.tracker.scalers(), calling_scaler(sys._getframe(1))]
+                scale = unscaled_by(self, [s for s in scalers if s is not None])
+            self._hold(self._run.stager.finish_step(copies, step, groups, data, grad_scale=scale), apply_s)
         if self._run.writes is not None:
             self._run.writes.arm(step)
         # After the watch is armed: a post-hook that writes parameters (a weight constraint) is reported at the next
         # step, since no replay runs it.
         for post in list(self._optimizer_step_post_hooks.values()):
             post(self, (), {})
-        lifecycle.raise_deferred_interrupt()  # a Ctrl-C that came during this step: raised now that it is logged
+        interrupts.raise_deferred_interrupt()  # a Ctrl-C that came during this step: raised now that it is logged
         return loss if closure is not None else out
 
     def _payloads(self, aggregated: dict[str, Payload] | None
@@ -335,6 +355,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if self._loop.stepped:
             out = update(new_scale)
             self._loop.stepped = False
+            self._end_call(getattr(update, "__self__", None))
             return out
         self._check_usable()
         if self._loop.step0 is not None:
@@ -351,6 +372,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             groups = encode_groups(self.inner.param_groups)
             self._hold(self._run.stager.finish_step(copies, step, groups, data, skipped=True), None)
         self._loop.step = step
+        if self._loop.memory_step == step - 1:  # the memory of the skipped iteration is still the last step's
+            self._loop.memory_step = step
         return out
 
     def _report_backpressure(self, step: int) -> None:

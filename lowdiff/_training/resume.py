@@ -79,20 +79,24 @@ def _memory(rec: Recovered, compressor: Compressor, world_size: int) -> dict[str
     state = rec.compressor_state
     local = compressor.rank_local_keys
     has_memory = compressor.name != "none"
-    if rec.world_size == 1 and world_size == 1:
-        if not rec.compressor_state_exact and has_memory:
+    exact = rec.compressor_state_exact and rec.compressor_name in (None, compressor.name)
+    if rec.compressor_name not in (None, compressor.name):  # a clean stop's memory, of another compressor
+        state = {}
+    writers = rec.world_size if rec.compressor_world_size is None else rec.compressor_world_size
+    if writers == 1 and world_size == 1:
+        if not exact and has_memory:
             _residuals_restart(rec.step)
         return state
     shared = {n: {k: v for k, v in st.items() if k not in local} for n, st in state.items()}
     shared = {n: st for n, st in shared.items() if st}
     if not has_memory:
         return shared
-    if not rec.compressor_state_exact:
+    if not exact:
         _residuals_restart(rec.step)
-    elif rec.world_size != world_size:
-        log.warning("lowdiff: resumed on %d rank(s) the snapshot at step %d, which %d rank(s) wrote: each rank's "
-                    "error-feedback residuals restart at zero (they belong to the ranks that wrote them)",
-                    world_size, rec.step, rec.world_size)
+    elif writers != world_size:
+        log.warning("lowdiff: resumed on %d rank(s) the state at step %d, whose compressor memory %d rank(s) wrote: "
+                    "each rank's error-feedback residuals restart at zero (they belong to the ranks that wrote them)",
+                    world_size, rec.step, writers)
     elif rec.rank_compressor_state:
         for n, st in rec.rank_compressor_state.items():
             shared.setdefault(n, {}).update(st)
@@ -105,9 +109,10 @@ def _memory(rec: Recovered, compressor: Compressor, world_size: int) -> dict[str
 def _residuals_restart(step: int) -> None:
     # A warning, not an INFO line: the loop goes on, but from here it no longer trains what the uninterrupted run
     # would have, and the quickstart's plain resume() is where a user meets it.
-    log.warning("lowdiff: resumed at step %d between snapshots; error-feedback residuals restart at zero, so the run "
-                "continues close to the uninterrupted one but not bit for bit (opt.resume(at='snapshot') continues "
-                "bit for bit from the newest snapshot step instead)", step)
+    log.warning("lowdiff: resumed at step %d between snapshots after a crash (no clean stop saved the compressor's "
+                "memory there); error-feedback residuals restart at zero, so the run continues close to the "
+                "uninterrupted one but not bit for bit (opt.resume(at='snapshot') continues bit for bit from the "
+                "newest snapshot step instead)", step)
 
 
 def apply_end_groups(groups: list[dict[str, Any]], end: list[dict[str, Any]] | None) -> None:

@@ -29,6 +29,7 @@ from lowdiff._storage.format import encode_group
 from lowdiff._storage.named_state import to_named
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
+from lowdiff._storage.stop import StopState
 from lowdiff._training.capture import LayerwiseCapture
 from lowdiff._training.fsdp import local as local_tensor
 from lowdiff._training.model_spec import ModelSpec
@@ -216,13 +217,15 @@ class Stager:
         return layout, [payloads.flats[dt] for dt in order] + btensors
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
-                    data: dict[str, Any] | None = None, *, skipped: bool = False) -> Staged[StepRecord]:
+                    data: dict[str, Any] | None = None, *, skipped: bool = False,
+                    grad_scale: float | None = None) -> Staged[StepRecord]:
         """The record of ``step``: call right after the inner step (the RNG state it logs is what the next forward
         pass starts from). ``data``: the encoded state of the objects tracked ``at="step"``; ``skipped``: an
-        iteration without an optimizer step (no gradients)."""
+        iteration without an optimizer step (no gradients); ``grad_scale``: StepRecord.grad_scale."""
         self._unfinished = None
         record = StepRecord(step=step, groups=groups, grads=copies.grads, buffers=copies.buffers,
-                            rng=self.rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed)
+                            rng=self.rng(), data=dict(data or {}), skipped=skipped, packed=copies.packed,
+                            grad_scale=grad_scale)
         return Staged(record, copies.ready, copies.release)
 
     def snapshot(self, step: int, data: dict[str, Any] | None = None,
@@ -238,12 +241,7 @@ class Stager:
                      if n in owned}
         groups = [encode_group(g) | {"params": names}
                   for names, g in zip(self.spec.stored_manifest.param_groups, self.optimizer.param_groups)]
-        comp = self.compressor.state_dict()
-        local = self.compressor.rank_local_keys if self.per_rank else frozenset()
-        # Under DDP every rank's error-feedback residuals differ: each rank keeps all of its own (FORMAT.md §4);
-        # state that is the same on every rank (PowerSGD's Q) is kept once, by the rank that owns the parameter.
-        shared = {n: {k: v for k, v in st.items() if k not in local} for n, st in comp.items() if n in owned}
-        mine = {n: {k: v for k, v in st.items() if k in local} for n, st in comp.items()}
+        shared, mine = self._compressor_memory()
         state = SnapshotState(
             step=step,
             params={n: local_tensor(p.detach()) for n, p in self.spec.params.items() if n in owned},
@@ -251,8 +249,8 @@ class Stager:
             optimizer_state=opt_state,
             param_groups=groups,
             compressor_name=self.compressor.name,
-            compressor_state={n: st for n, st in shared.items() if st},
-            rank_compressor_state={n: st for n, st in mine.items() if st},
+            compressor_state=shared,
+            rank_compressor_state=mine,
             rng=self.rng(),
             extra={"data": dict(data or {})},
         )
@@ -271,6 +269,27 @@ class Stager:
         for (d, k), t in zip(live, host):
             d[k] = t
         return Staged(state, ready, release)
+
+    def _compressor_memory(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """The compressor's memory this rank persists, as (the same on every rank, this rank's own). Under DDP every
+        rank's error-feedback residuals differ: each rank keeps all of its own (FORMAT.md §4); state that is the
+        same on every rank (PowerSGD's Q) is kept once, by the rank that owns the parameter."""
+        comp = self.compressor.state_dict()
+        local = self.compressor.rank_local_keys if self.per_rank else frozenset()
+        shared = {n: {k: v for k, v in st.items() if k not in local} for n, st in comp.items() if n in self.owned}
+        mine = {n: {k: v for k, v in st.items() if k in local} for n, st in comp.items()}
+        return {n: st for n, st in shared.items() if st}, {n: st for n, st in mine.items() if st}
+
+    def stop_state(self, step: int) -> StopState:
+        """The compressor's memory at a clean stop after ``step`` (lowdiff._storage.stop), copied to host memory
+        now: a close may wait for the device."""
+        shared, mine = self._compressor_memory()
+
+        def host(d: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+            return {n: {k: local_tensor(v).detach().to("cpu", copy=True) for k, v in st.items()} for n, st in d.items()}
+
+        return StopState(step=step, compressor_name=self.compressor.name, compressor_state=host(shared),
+                         rank_compressor_state=host(mine))
 
     def _pack_snapshot(self, state: SnapshotState, slots: Slots) -> Staged[SnapshotState] | None:
         """``state``'s live tensors packed into a writer slot (None: the writer is gone). One copy per region

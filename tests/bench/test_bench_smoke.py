@@ -106,3 +106,14 @@ def test_compress_smoke(tmp_path: Path) -> None:
     assert all(r["median_s"] > 0 for r in out["rows"] if not r["method"].startswith("lowdiff"))
     assert set(out["opt_step_runs_s"]) == {"none", "topk", "powersgd"}
     assert all(t > 0 for ts in out["opt_step_runs_s"].values() for t in ts)
+
+
+def test_startup_smoke(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "startup.py"), "--smoke", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-4000:]
+    doc = json.loads((tmp_path / "startup.json").read_text())
+    assert {r["mode"] for r in doc["trials_data"]} == {"off", "thread", "process"}
+    assert all(r["ten_steps_s"] >= r["first_step_s"] > 0 for r in doc["trials_data"])
+    assert (tmp_path / "startup.md").read_text().startswith("# Time to the first steps")

@@ -20,9 +20,10 @@ def test_inspect_verify_compact(tmp_path: Path) -> None:
     assert info.snapshot_steps == [0, 4, 8] and info.segments == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
     assert info.latest_step == 10 and info.manifest.optimizer_class.endswith("AdamW")
     assert "latest recoverable step: 10" in info.summary()
+    assert info.stop_steps == [10] and "clean stop at step 10" in info.summary()  # close() after step 10
 
     report = lowdiff.verify(run)
-    assert report.ok and report.latest_step == 10 and report.files == 8
+    assert report.ok and report.latest_step == 10 and report.files == 9  # 3 snapshots, 5 segments, 1 stop
 
     res = lowdiff.compact(run, keep=1)
     assert res.step == 10 and res.wrote_snapshot and res.removed
