@@ -138,8 +138,10 @@ def test_rollbacks_over_the_same_steps_keep_every_file_they_move_aside(tmp_path:
     for lr_scale in (0.5, 0.25, 0.125):
         assert _resume_at_snapshot_and_train(run, 13, lr_scale)[0] == 10
     moved = sorted(p.name for p in (run / "quarantine").iterdir())
+    # each clean close at step 13 also left a stop file (format 2.5), moved aside by the next rollback the same way
     assert moved == ["log-steps-0000000010-0000000012.h5", "log-steps-0000000011-0000000013.1.h5",
-                     "log-steps-0000000011-0000000013.h5", "log-steps-0000000013-0000000013.h5"], moved
+                     "log-steps-0000000011-0000000013.h5", "log-steps-0000000013-0000000013.h5",
+                     "stops-step-0000000013.1.h5", "stops-step-0000000013.2.h5", "stops-step-0000000013.h5"], moved
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])

@@ -18,7 +18,8 @@ def test_slow_disk_blocks_and_warns(tmp_path: Path, caplog: pytest.LogCaptureFix
     model = torch.nn.Linear(4, 2)
     opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
                        {"run_dir": str(tmp_path / "run"),
-                        "log": {"batch_steps": 1, "queue_depth": 1, "backpressure_warn_s": 0.1}})
+                        "log": {"batch_steps": 1, "queue_depth": 1, "backpressure_warn_s": 0.1,
+                                "persistence": "thread"}})
     slow_disk = intercept_writes(before_commit=lambda path: time.sleep(0.05))
     with slow_disk, caplog.at_level(logging.WARNING, logger="lowdiff._training.optimizer"):
         for _ in range(12):

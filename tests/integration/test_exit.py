@@ -73,7 +73,7 @@ def test_collection_on_the_writer_thread_closes_from_another_thread(tmp_path: Pa
     model = _model()
     opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
                        {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk", "ratio": 0.25},
-                        "snapshot": {"every_steps": 100}, "log": {"batch_steps": 4}})
+                        "snapshot": {"every_steps": 100}, "log": {"batch_steps": 4, "persistence": "thread"}})
     for _ in range(3):
         model(torch.randn(8, 16)).pow(2).mean().backward()
         opt.step()

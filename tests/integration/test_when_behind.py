@@ -34,8 +34,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return train_run(plain, tmp_path_factory.mktemp("ref") / "run", STEPS)
 
 
-def _slow_run(run_dir: Path, scenario: Scenario, steps: int):
-    with lowdiff.testing.intercept_persistence_process(commit_delay_s=DELAY_S):
+def _slow_run(run_dir: Path, scenario: Scenario, steps: int, delay_s: float = DELAY_S):
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=delay_s):
         t = start(scenario, run_dir)
     t.opt.flush()  # the persistence process has started: what follows is the slow disk alone
     t.train(1, steps)
@@ -66,7 +66,8 @@ def test_training_does_not_wait_for_a_slow_disk_and_every_kept_step_is_exact(tmp
 
 
 def test_the_same_run_with_when_behind_wait_waits_for_the_disk(tmp_path: Path, reference) -> None:
-    t, st = _slow_run(tmp_path / "run", dataclasses.replace(PACED, when_behind="wait"), 12)
+    # 6 segments at 0.5 s each: 3 s of disk, far more than 12 steps take even on a loaded machine
+    t, st = _slow_run(tmp_path / "run", dataclasses.replace(PACED, when_behind="wait"), 12, delay_s=0.5)
     assert st is not None and st.blocked_s > 0.3 and st.steps_skipped == 0, st
     for k in range(1, 13):
         assert_state_equal(*reference.refs[k], lowdiff.recover(tmp_path / "run", step=k, workers=1))
