@@ -114,6 +114,18 @@ def kill_phase(args: argparse.Namespace, methods: list[str], every: int, work: P
     return rows
 
 
+def recovery_figures(path: Path) -> dict[str, Any]:
+    """What the page reports of a bench/recovery.py run: its command, machine, rows and every repetition."""
+    d = json.loads(path.read_text())
+    keep = ("steps", "replay_w1_s", "replay_w1_cpu_s", "replay_w2_s", "replay_w2_cpu_s", "recompute_s",
+            "recompute_measured", "mode_w2", "workers_used_w2")
+    reps = {k: [(r["wall_s"], r["cpu_s"], r["loadavg"]) for r in v] for k, v in d["raw"]["replay"].items()}
+    return {"command": d["command"], "date": d["machine"]["date"], "git": d["machine"]["git_commit"],
+            "load": [d["machine"]["loadavg_start"][0], d["loadavg_end"][0]], "exact": d["exact"],
+            "rows": [{k: r.get(k) for k in keep} for r in d["rows"]], "reps": reps,
+            "median_train_step_s": d["training"]["median_step_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 kill per method: < 60 s")
@@ -141,6 +153,8 @@ def main() -> None:
                          "measured at the interval their overhead is derived from")
     ap.add_argument("--skip-kills", action="store_true")
     ap.add_argument("--render-only", action="store_true", help="re-render .md and .png from alternatives.json")
+    ap.add_argument("--recovery-json", help="a bench/recovery.py result (e.g. --lengths 40,200 --workers 1,2) whose "
+                                            "replay figures the page reports against the issue's restart targets")
     ap.add_argument("--trainer", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--resume", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -155,6 +169,9 @@ def main() -> None:
     json_path, md_path, png_path = output_paths(args.out_dir, "alternatives")
     if args.render_only:
         doc = json.loads(json_path.read_text())
+        if args.recovery_json:
+            doc["recovery"] = recovery_figures(Path(args.recovery_json))
+            write_json(json_path, doc)
         write_markdown(md_path, doc)
         plot(png_path, doc)
         return
@@ -203,6 +220,8 @@ def main() -> None:
                             "restart_cost_s": args.restart_cost, "seed": args.seed, "torch_threads": 1},
                "methods": methods, "modes": ov["modes"], "kills": kills, "overhead_runtime_s": ov["runtime_s"],
                "runtime_s": time.perf_counter() - t_start, "loadavg_end": os.getloadavg()}
+        if args.recovery_json:
+            doc["recovery"] = recovery_figures(Path(args.recovery_json))
         write_json(json_path, doc)
         write_markdown(md_path, doc)
         plot(png_path, doc)

@@ -169,9 +169,37 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
     if hk:
         lines += ["Helpers still alive 30 s after the kill and then killed: "
                   + ", ".join(f"{r['method']} ({r['helpers_killed']})" for r in hk) + ".", ""]
+    lines += recovery_section(doc.get("recovery"))
     lines += ["Statistics per timed method: " + "; ".join(
         f"{n}: {doc['modes'][n].get('statistic')}" for n in doc["methods"] if n in doc["modes"]) + ".", ""]
     path.write_text("\n".join(lines))
+
+
+def recovery_section(rec: dict[str, Any] | None) -> list[str]:
+    """The issue's restart targets (replay of 40 steps >= 5x faster than recomputing; 2 workers >= 1.6x one at 40
+    and 200 steps) from a bench/recovery.py run."""
+    if not rec:
+        return []
+    lines = [
+        "## Restart targets (bench/recovery.py)", "",
+        f"`{rec['command']}` on {rec['date']}, git {rec['git'][:10]}, load {rec['load'][0]:.1f} at start and "
+        f"{rec['load'][1]:.1f} at the end; Top-k 1 %, one snapshot at step 0, segments of 10 steps; medians of the "
+        f"repetitions; bit-exact checks: {sum(rec['exact'].values())}/{len(rec['exact'])} pass. Targets (issue 36): "
+        "replay of 40 steps >= 5x faster than recomputing them; 2 workers >= 1.6x faster than 1 at 40 and 200 "
+        "steps.", "",
+        "| log steps | replay, 1 worker | 2 workers | recompute | recompute / replay | 2 vs 1 worker (wall) "
+        "| CPU s, 1 / 2 workers | wall / CPU, 1 worker |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        w1, w2 = r["replay_w1_s"], r["replay_w2_s"]
+        lines.append(f"| {r['steps']} | {w1:.2f} s | {w2:.2f} s | {r['recompute_s']:.1f} s"
+                     f"{'' if r['recompute_measured'] else ' (extrapolated)'} | {r['recompute_s'] / w1:.1f}x | "
+                     f"{w1 / w2:.2f}x | {r['replay_w1_cpu_s']:.2f} / {r['replay_w2_cpu_s']:.2f} | "
+                     f"{w1 / r['replay_w1_cpu_s']:.1f} |")
+    lines += ["", "Every repetition (wall s, CPU s, load average): " + "; ".join(
+        f"{k}: " + ", ".join(f"{w:.1f}/{c:.1f}/{la:.1f}" for w, c, la in v) for k, v in rec["reps"].items())
+        + ".", ""]
+    return lines
 
 
 def plot(path: Path, doc: dict[str, Any]) -> None:
