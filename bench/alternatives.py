@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import FULL_MODEL, SMOKE_MODEL, machine_info, median, output_paths, write_json  # noqa: E402
 
 HEADLINE = ("lowdiff-topk-process", "lowdiff-none-process", "dcp-process-k10")
-SMOKE_KILLS = ("lowdiff-topk-process", "torchsave-k2")
+SMOKE_KILLS = ("lowdiff-topk-process", "torchsave-k4")
 
 
 def overhead_phase(args: argparse.Namespace, ks: list[int], every: int, work: Path) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def recovery_figures(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 kill per method: < 60 s")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds, 2 kills: ~40 s on a quiet machine")
     ap.add_argument("--out-dir", help="write alternatives.json/.md/.png here instead of bench/results and docs/")
     ap.add_argument("--work-dir", default=None, help="where checkpoints are written (default: system tmp)")
     ap.add_argument("--rounds", type=int, help="overhead rounds (default 4)")
@@ -179,13 +179,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     if args.smoke:
-        args.rounds = args.rounds or 1
+        args.rounds = args.rounds or 2
         args.window, args.lowdiff_window = 2, 2
         args.kills = args.kills if args.kills is not None else 1
         args.headline_kills = 0
         args.kill_span = 4
-    ks = [int(k) for k in args.ks.split(",")] if not args.smoke else [2]
-    derive_ks = [int(k) for k in args.derive_ks.split(",") if k] if not args.smoke else [4]
+    ks = [int(k) for k in args.ks.split(",")] if not args.smoke else [4]
+    derive_ks = [int(k) for k in args.derive_ks.split(",") if k] if not args.smoke else [8]
     every = args.snapshot_every or (4 if args.smoke else 50)
     args.rounds = args.rounds or 4
     args.kills = 1 if args.kills is None else args.kills
