@@ -39,6 +39,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from _common import median
@@ -165,8 +166,11 @@ def ratios_by_mode(modes: list[Mode], windows: list[list[dict[str, Any]]]) -> di
 
 
 def run(modes: list[Mode], ctx: Ctx, batches: list[Any], rounds: int, tidy: bool,
-        t_start: float) -> dict[str, dict[str, Any]]:
-    """Set up and warm up every mode, run the rounds, and return every mode's result (its JSON entry)."""
+        t_start: float, sequence: Callable[[list[Mode], int], list[Mode]] = round_sequence
+        ) -> dict[str, dict[str, Any]]:
+    """Set up and warm up every mode, run the rounds, and return every mode's result (its JSON entry).
+    ``sequence(modes, r)``: the windows of round ``r`` (default :func:`round_sequence`; every window of a
+    baseline or an enabled lowdiff mode must sit next to a window of its reference)."""
     next_batch = Batches(batches)
     for m in modes:
         m.setup(ctx)
@@ -179,7 +183,7 @@ def run(modes: list[Mode], ctx: Ctx, batches: list[Any], rounds: int, tidy: bool
     comp0 = {m.name: m.compress_s for m in modes}
     windows: list[list[dict[str, Any]]] = []  # per round, in execution order
     for r in range(rounds):
-        windows.append([run_window(m, next_batch, ctx, tidy, t_start) for m in round_sequence(modes, r)])
+        windows.append([run_window(m, next_batch, ctx, tidy, t_start) for m in sequence(modes, r)])
         pl = [w["mean_step_s"] for w in windows[-1] if w["mode"] == "plain"]
         print(f"  round {r + 1}/{rounds} done at {time.perf_counter() - t_start:.0f} s; plain "
               f"{median(pl):.3f} s/step (median of {len(pl)} windows)", flush=True)
@@ -209,7 +213,8 @@ def run(modes: list[Mode], ctx: Ctx, batches: list[Any], rounds: int, tidy: bool
             "compress_s_per_step": m.compress_s_per_step(comp0[m.name], total_steps[m.name]),
             "drain_s_per_window": median([w["drain_s"] for w in mine]),
             **step_tail(mine),
-            "round_ratios": d["wall"], "round_ratios_cpu": d["cpu"], "windows": mine, **m.info(),
+            "round_ratios": d["wall"], "round_ratios_cpu": d["cpu"], "round_events": ev,
+            "windows": mine, **m.info(),
             **m.results(total_steps[m.name]),
         }
     return results
