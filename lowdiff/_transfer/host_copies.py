@@ -207,6 +207,8 @@ class HostCopier:
         if left <= 0:
             fits = nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
             left = SPARE_EVERY
+            if len(self._spare) >= POOL_MAX_FREE:  # sizes that keep changing (a mixture of experts): kept bounded
+                self._spare.clear()
         self._spare[nbytes] = (fits, left - 1)
         return fits
 
