@@ -232,6 +232,14 @@ def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, pe
             one_step(opt, model, sched, it)
         waits = dict(InFlight.waits) | dict(device_waits)
     assert waits == {}, waits
+    # Records handed over late, in order: the log holds every step, and replaying it gives the live state.
+    last = WARMUP + STEPS
+    rec = lowdiff.recover(Path(opt.config.run_dir), workers=1)
+    assert rec.step == last
+    live = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    got = rec.model if isinstance(rec.model, dict) else rec.model.state_dict()
+    for k, v in live.items():
+        assert torch.equal(v, got[k].detach().cpu()), k
 
 
 SUBTREES_ASIDE = ("_payloads", "recv")
