@@ -54,7 +54,10 @@ class PowerSGDCompressor(Compressor):
     def initial_q(self, fqn: str, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by the parameter name so every rank (and a resumed run) starts from the same Q.
         gen = torch.Generator().manual_seed(zlib.crc32(fqn.encode()))
-        return torch.randn(m, r, generator=gen).to(device=like.device, dtype=like.dtype)
+        q = torch.randn(m, r, generator=gen)
+        if like.device.type == "cuda":  # a pageable host-to-device copy would make the host wait for it
+            return q.pin_memory().to(device=like.device, dtype=like.dtype, non_blocking=True)
+        return q.to(device=like.device, dtype=like.dtype)
 
     def _first_q(self, fqn: str, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         """:meth:`initial_q`, made once per parameter and device (a host-to-device copy, not one per step)."""

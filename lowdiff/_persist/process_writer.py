@@ -4,15 +4,13 @@
 drives either; the process and the socket are a :class:`lowdiff._persist.process_channel.Channel`. Per step the training
 thread copies the record's tensors into a slot of a shared ring (:mod:`lowdiff._transfer.ring`, one concatenating copy
 per dtype) and sends a small message over a Unix socket; encoding, checksums, HDF5 writes, fsyncs, retention and the
-shadow replica run in the other process. A record is handed over when ``opt.step()`` returns (:meth:`submit_early`),
-before its iteration ends; the end of the iteration follows as a seal message (:meth:`submit_record`). So when the
-training process dies, the persistence process holds every step whose ``opt.step()`` returned, commits them and exits
-(docs/guide/durability.md).
+shadow replica run in the other process. A record is handed over when ``opt.step()`` returns (:meth:`submit_early`;
+on a GPU once its copies are seen complete), before its iteration ends; the end of the iteration follows as a seal
+message (:meth:`submit_record`). When the training process dies, the persistence process commits what it holds and
+exits (docs/guide/durability.md).
 
-Back-pressure: at most ``(queue_depth + 1) x batch_steps + 2`` records are in flight (sent, not yet committed), and
-no more than the ring holds; beyond that the step waits for the persistence process (``stats.blocked_s``). Failures
-in the persistence process come back as messages and are raised by the checkpointer as today.
-"""
+Back-pressure: at most ``(queue_depth + 1) x batch_steps + 2`` records are in flight (sent, not yet committed), and no
+more than the ring holds; beyond that the step waits (``stats.blocked_s``). Failures come back as messages."""
 
 from __future__ import annotations
 
@@ -22,13 +20,14 @@ import time
 from typing import Any
 
 from lowdiff._persist import messages as m
+from lowdiff._persist.handover import CopyingRecord, pack_here
 from lowdiff._persist.process_channel import Channel
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
 from lowdiff._transfer.host_copies import Slot, Staged
-from lowdiff._transfer.packing import PackedStep, StepPacker, pack_host, remember
+from lowdiff._transfer.packing import StepPacker, remember
 from lowdiff._transfer.ring import Arena, RingAllocator
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,7 @@ class ProcessWriter:
         self._kept_if_orphaned = False
         self._rng_sent: Any = None  # the RNG state the last record was handed over with
         self._early_step: int | None = None  # the step handed over early whose iteration has not ended
+        self._copying = CopyingRecord(self._hand_over, self.end_known)  # its copies still running on the GPU
         self.start_wait_s = 0.0
         """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         self._chan = Channel(run_dir, m.Start(
@@ -81,7 +81,7 @@ class ProcessWriter:
                     "queue_depth": queue_depth, "retention": retention.keep_snapshots,
                     "durable_step": durable_step, "when_behind": when_behind},
             shadow=shadow, log_level=logging.getLogger("lowdiff").getEffectiveLevel(), trainer_pid=os.getpid()),
-            on_freed=self._freed, before_wait=lambda: self._settle_snapshot(block=False))
+            on_freed=self._freed, before_wait=self._before_wait)
         self.start_s = self._chan.start_s
 
     @property
@@ -181,16 +181,22 @@ class ProcessWriter:
         return Slot(self._snap.buf[:nbytes], (snap_id, state), release)
 
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
-        """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended).
+        """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended) and
+        its copies into the ring are complete, without waiting for them (lowdiff._persist.handover).
         ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
         tracked changes at the end of an iteration)."""
-        # On a GPU: this step's copies into the ring are complete (no returned step may depend on copies still in
-        # flight when the trainer dies), and so, perhaps, are a snapshot's before it.
-        rec = record.wait()
+        self._copying.put(record, keep_if_orphaned)
+
+    def _before_wait(self) -> None:
+        self._copying.send(block=True)  # the persistence process may be waiting for it
         self._settle_snapshot(block=False)
+
+    def _hand_over(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
+        rec = record.wait()  # its copies are complete (or seen complete): no wait
+        self._settle_snapshot(block=False)  # a snapshot's before it, perhaps
         packed = rec.packed
         if packed is None or packed.handle is None or packed.handle[0] != self._ring_id:
-            packed = self._pack_here(rec)
+            packed = pack_here(rec, self._packer, self.alloc)
             record.release()
             if packed is None:  # the persistence process died: take_error() says so
                 return
@@ -206,25 +212,14 @@ class ProcessWriter:
             remember(self._layouts_sent, layout.id, None)
         self._early_step = rec.step
 
-    def _pack_here(self, rec: StepRecord) -> PackedStep | None:
-        """A record the stager did not pack into this ring (layer-wise captures, a replaced ring): packed now."""
-        rec.unpack()
-        keys = [(n, f) for n, p in rec.grads.items() for f in p] + [("", n) for n in rec.buffers]
-        tensors = [t for p in rec.grads.values() for t in p.values()] + list(rec.buffers.values())
-        layout, _ = self._packer.plan(keys, tensors)
-        assert layout is not None  # host tensors
-        slot = self.alloc(layout.nbytes, pinned=False)
-        if slot is None:
-            return None
-        pack_host(layout, tensors, slot.buf)
-        return PackedStep(slot.buf, layout, slot.handle)
-
     def retake_rng(self, record: Staged[StepRecord]) -> None:
         """The RNG state of the record handed over early was taken again (``opt.capture_rng()``, after an
         evaluation). If this process would commit that record as it is should the trainer die now, the new state
         goes at once: a death before the iteration ends would otherwise commit the state from before the
         evaluation's draws. Otherwise it goes with the seal."""
         rec = record.item
+        if self._copying.holds(record):
+            return  # not handed over yet: it goes with the state taken now
         if not self._kept_if_orphaned or rec.step != self._early_step:
             return
         self._rng_sent = rec.rng
@@ -234,6 +229,9 @@ class ProcessWriter:
                   ) -> None:
         """The end state of the record handed over early is known: from now on this process commits it should the
         trainer die before the iteration ends."""
+        if self._copying.holds(record):
+            self._copying.end_known(data, end_groups)
+            return
         if record.item.step != self._early_step:
             return
         self._kept_if_orphaned = True
@@ -241,6 +239,7 @@ class ProcessWriter:
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
+        self._copying.send(block=True)  # its iteration is over: the next opt.step() has begun
         rec = record.item
         record.release()
         self._early_step = None
@@ -255,6 +254,9 @@ class ProcessWriter:
             self._chan.send(msg)
 
     def drop(self, step: int) -> None:
+        if self._copying.discard(step):  # never handed over: nothing to tell the persistence process
+            return
+        self._copying.send(block=True)
         self._early_step = None
         self._chan.send(m.Drop(step))
 
@@ -264,6 +266,7 @@ class ProcessWriter:
         at the next snapshot, a flush, a close): training does not wait for a snapshot's copies, which may take
         tens of milliseconds, as it does for a step's. Until then the snapshot is not in the persistence process:
         a trainer that dies meanwhile loses it, not a step (recovery replays from the snapshot before it)."""
+        self._copying.send(block=True)  # a snapshot step: the record before the snapshot
         snap = state.item
         packed = snap.packed
         if packed is None or packed.packed.handle is None or packed.packed.handle[0] != self._snap_id:
@@ -301,11 +304,13 @@ class ProcessWriter:
                               snap.param_groups, snap.compressor_name, snap.extra))
 
     def submit_shadow_snapshot(self, step: int) -> None:
+        self._copying.send(block=True)
         self._chan.send(m.ShadowSnapshot(step))
 
     def set_batch_steps(self, steps: int) -> None:
         if steps < 1:
             raise ValueError(f"batch_steps must be >= 1, got {steps}")
+        self._copying.send(block=True)
         self.batch_steps = steps
         self._chan.send(m.BatchSteps(steps))
 
@@ -315,6 +320,7 @@ class ProcessWriter:
         if chan.dead or chan.closed:
             chan.drain()
             return chan.durable_step
+        self._copying.send(block=True)
         self._settle_snapshot(block=True)
         self._token += 1
         token = self._token
@@ -332,6 +338,7 @@ class ProcessWriter:
                 chan.send(m.Close())
                 chan.wait(lambda: chan.dead)
         finally:
+            self._copying.discard()  # never handed over (the process died): its copies end before the unmapping
             pending, self._snap_copying = self._snap_copying, None
             chan.closed = True
             if pending is not None:  # never sent (the process died): its copies must end before the unmapping
@@ -344,8 +351,6 @@ class ProcessWriter:
             for arena in (self._ring, self._snap):
                 if arena is not None:
                     arena.close()
-
-    # -- internals -------------------------------------------------------------------------------------------
 
     def _alloc_record(self, nbytes: int) -> tuple[int, int] | None:
         per = max(nbytes, 64) + 64
@@ -368,6 +373,7 @@ class ProcessWriter:
         if got is None:
             t0, ready = time.perf_counter(), self._chan.ready
             # The process may be waiting for the seal held back to complete the segment that frees slots.
+            self._copying.send(block=True)
             self._settle_snapshot(block=False)
             self._chan.push()
             while got is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -218,6 +219,30 @@ TAGS = ("__tensor__", "__tuple__", "__counter__", "__items__")
 """The tagged forms; a dict using one of these as a key is stored as ``__items__`` (so it stays unambiguous)."""
 
 
+_ENCODED: weakref.WeakKeyDictionary[torch.Tensor, tuple[int, dict[str, Any]]] = weakref.WeakKeyDictionary()
+"""One-element tensors encoded before, with their version counter then: a tensor hyperparameter (a learning rate on
+the GPU) is encoded twice a step, and reading its value makes the host wait for the device; unchanged since (same
+version), the encoding is reused."""
+
+
+def _encoded_tensor(value: torch.Tensor) -> dict[str, Any]:
+    try:
+        version = value._version
+        hit = _ENCODED.get(value)
+    except (RuntimeError, TypeError):  # inference tensors have no version counter
+        version, hit = -1, None
+    if hit is not None and hit[0] == version >= 0:
+        return hit[1]
+    out = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "value": value.detach().cpu().item(),
+           "device": value.device.type}
+    if version >= 0:
+        try:
+            _ENCODED[value] = (version, out)
+        except TypeError:
+            pass
+    return out
+
+
 def encode_value(value: Any) -> Any:
     """``value`` as JSON, losslessly: numbers, strings, None, lists, tuples, dicts (any hashable scalar or tuple
     keys), ``collections.Counter`` and one-element tensors. Anything else is a ``TypeError`` naming it."""
@@ -228,8 +253,8 @@ def encode_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"only one-element tensors can be stored as scalars, got shape {tuple(value.shape)}")
-        return {"__tensor__": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
-                               "value": value.detach().cpu().item(), "device": value.device.type}}
+        enc = _encoded_tensor(value)
+        return {"__tensor__": {**enc, "shape": list(enc["shape"])}}
     if isinstance(value, tuple):
         return {"__tuple__": [encode_value(v) for v in value]}
     if isinstance(value, list):

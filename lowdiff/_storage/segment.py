@@ -33,7 +33,8 @@ class StepRecord:
     grads: dict[str, dict[str, torch.Tensor]]
     """Payload per parameter name; parameters without a gradient this step are absent."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Persistent buffers whose value changed since the previous step."""
+    """Persistent buffers as the step left them: the stager hands every one over; a segment keeps those whose value
+    changed since the previous step."""
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     """RNG state right after this step (lowdiff.rng.capture): 1-D uint8 tensors by source name."""
     data: dict[str, Any] = field(default_factory=dict)
@@ -114,12 +115,18 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
         for bname, t in r.buffers.items():
             bufnames.setdefault(bname, t)
     for bname, like in bufnames.items():
-        counts, raw = [], []
+        counts, raw, prev = [], [], None
         for r in records:
             bt = r.buffers.get(bname)
-            counts.append(-1 if bt is None else bt.numel())
-            if bt is not None:
+            # The stager hands every buffer over every step (telling which changed would synchronize the device):
+            # a value equal to the step before's is left out, as if it had not been handed over.
+            if bt is None or (prev is not None and prev.shape == bt.shape and prev.dtype == bt.dtype
+                              and torch.equal(prev, bt)):
+                counts.append(-1)
+            else:
+                counts.append(bt.numel())
                 raw.append(bt)
+            prev = bt if bt is not None else prev
         entries.append(EntryIn(f"buffer/{bname}", raw, {"dtype": dtype_name(like.dtype),
                                                         "inner_shape": list(like.shape), "counts": counts}))
     entries += _rng_entries(records)

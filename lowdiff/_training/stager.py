@@ -93,6 +93,9 @@ class Stager:
         # model's state faulted its pages in on the training thread, ~1 s per snapshot here); held between them.
         self._snapshot_pool = HostPool()
         self._buffer_last: dict[str, torch.Tensor] = {}
+        # Each buffer's module's dict of buffers and its key there (a reassigned buffer is found too), read in one
+        # comprehension a step: no Python call per buffer.
+        self._buffers_at = [(b.name, b.module._buffers, b.attr) for b in spec.buffers]
         self._packer = StepPacker()
         # The layout of steps whose payloads lie in the compressor's flats: (payload version, buffer keys, shapes
         # and dtypes, the layout and its flats' dtypes or None where the payloads do not lie that way).
@@ -165,7 +168,7 @@ class Stager:
         for n, t in buffers.items():
             names.append(("", n))
             tensors.append(t)
-            live.append(False)  # a clone kept in _buffer_last, replaced (never changed) when the buffer changes
+            live.append(True)  # the module's own buffer: the next forward pass changes it
         hooked = self.layerwise.ready() if self.layerwise is not None else None
         host, ready, release = self.copier.stage(tensors, live, pool=self._pool)
         out_buffers = {}
@@ -349,15 +352,12 @@ class Stager:
         return rng_state.capture_raw(self._rng_rank, rng_state.cuda_devices_in_use(self._cuda_devices))
 
     def _changed_buffers(self) -> dict[str, torch.Tensor]:
-        # Compared by value: kernels such as batch_norm update running stats in place without bumping the
-        # tensor's version counter, so _version would miss them.
-        changed = {}
-        for slot in self.spec.buffers:
-            t = slot.get()
-            last = self._buffer_last.get(slot.name)
-            if last is None or last.shape != t.shape or last.dtype != t.dtype or not torch.equal(last, t):
-                self._buffer_last[slot.name] = changed[slot.name] = t.detach().clone()
-        return changed
+        # Every buffer, every step: whether one changed cannot be told without reading it (kernels such as
+        # batch_norm update running stats in place without bumping the tensor's version counter), and a comparison
+        # on the device (torch.equal) makes the host wait for the device, once per buffer. The copies are part of
+        # the step's one packed copy; the writer leaves out of the segment what did not change (lowdiff._storage.
+        # segment), off the training thread.
+        return {name: where[attr].detach() for name, where, attr in self._buffers_at}  # type: ignore[union-attr]
 
 
 def _skeleton(obj: Any, tensors: list[torch.Tensor], device: torch.device) -> Any:

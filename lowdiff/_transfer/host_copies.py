@@ -35,6 +35,8 @@ COPY_THREAD = "lowdiff-copy"
 """The name (prefix) of the copiers' threads."""
 # Released host buffers kept for reuse, per (dtype, size).
 POOL_MAX_FREE = 64
+SPARE_EVERY = 256
+"""Copies between two questions to the driver about free device memory, per size copied."""
 
 
 T = TypeVar("T")
@@ -73,21 +75,22 @@ class HostPool:
     be garbage-collected. Taken on the training thread, given back on the writer's, hence the lock."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._free: dict[tuple[torch.dtype, int, bool], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.reused = 0
 
-    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def take(self, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
+        """A buffer (``pinned``: page-locked, for copies from a GPU: allocated once, then reused)."""
         with self._lock:
-            free = self._free.get((dtype, numel))
+            free = self._free.get((dtype, numel, pinned))
             if free:
                 self.reused += 1
                 return free.pop()
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
-            free = self._free.setdefault((buf.dtype, buf.numel()), [])
+            free = self._free.setdefault((buf.dtype, buf.numel(), buf.is_pinned()), [])
             if len(free) < POOL_MAX_FREE:
                 free.append(buf)
 
@@ -113,10 +116,15 @@ class HostCopier:
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         self.device: torch.device | None = None
         self.stream: Any = None
+        self.snapshot_stream: Any = None
+        """Snapshots' copies (tens of milliseconds) run on a stream of their own: a step's copy never queues behind
+        one."""
+        self._spare: dict[int, tuple[bool, int]] = {}  # bytes -> (fit in spare device memory, calls until re-asked)
         self._thread: ThreadPoolExecutor | None = None
         if len(devices) == 1:
             self.device = next(iter(devices))
             self.stream = torch.cuda.Stream(device=self.device)
+            self.snapshot_stream = torch.cuda.Stream(device=self.device)
         elif len(devices) > 1:
             log.warning("lowdiff: parameters span %d GPUs; their copies to host memory are synchronous",
                         len(devices))
@@ -161,7 +169,7 @@ class HostCopier:
         out = [t if t.device.type == "cuda" else _host_copy(t, lv) for t, lv in zip(tensors, live)]
         main = torch.cuda.current_stream(self.device)
         nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in cuda)
-        spare = nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
+        spare = self._fits(nbytes)
         by_dtype = _by_dtype(tensors, cuda)
         # With spare memory: one concatenation per dtype on the training stream (a private copy, so live tensors
         # may change at once), then ONE pinned buffer and ONE copy per dtype on the side stream: a few CUDA calls
@@ -189,25 +197,37 @@ class HostCopier:
         per region on the training stream (a private copy: live tensors may change at once) and one copy per region
         into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous. ``kind``:
         "step" (a step's record) or "snapshot", for lowdiff.testing.copies_in_flight."""
-        ready = self._pack(layout, tensors, buf)
+        ready = self._pack(layout, tensors, buf, self.snapshot_stream if kind == "snapshot" else self.stream)
         return _copy_events(kind) if _copy_events is not None else ready
 
-    def _pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor) -> Any:
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit in the spare device memory: asked of the driver every SPARE_EVERY calls per size,
+        not every step."""
+        fits, left = self._spare.get(nbytes, (False, 0))
+        if left <= 0:
+            fits = nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
+            left = SPARE_EVERY
+            if len(self._spare) >= POOL_MAX_FREE:  # sizes that keep changing (a mixture of experts): kept bounded
+                self._spare.clear()
+        self._spare[nbytes] = (fits, left - 1)
+        return fits
+
+    def _pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor, stream: Any) -> Any:
         if layout.device.type != "cuda" or not self.asynchronous:
             if layout.device.type != "cpu":
                 tensors = [t.cpu() for t in tensors]
             pack_host(layout, tensors, buf)
             return None
         main = torch.cuda.current_stream(self.device)
-        spare = layout.nbytes <= SPARE_FRACTION * torch.cuda.mem_get_info(self.device)[0]
+        spare = self._fits(layout.nbytes)
         parts = region_parts(layout, tensors)
         flats = [torch.cat(p) for p, _ in parts] if spare else []
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
             if spare:
                 for flat, (_, r) in zip(flats, parts):
                     region_view(buf, layout, r).copy_(flat, non_blocking=True)
-                    flat.record_stream(self.stream)
+                    flat.record_stream(stream)
             else:  # no room for a private copy on the device: read the tensors themselves, training waits below
                 for p, r in parts:
                     dst, at = region_view(buf, layout, r, flat=True), 0
@@ -215,7 +235,7 @@ class HostCopier:
                         dst[at:at + t.numel()].copy_(t.reshape(-1), non_blocking=True)
                         at += t.numel()
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         if not spare:
             main.wait_event(event)
         return event
@@ -232,8 +252,8 @@ class Slot:
 
 
 class HostSlots:
-    """The writer thread's slots: pooled host buffers (pinned ones from the caching host allocator when the
-    copies come from a GPU). Snapshots have a pool of their own, so a step never takes a snapshot's buffer."""
+    """The writer thread's slots: pooled host buffers (pinned ones when the copies come from a GPU, allocated once
+    per size and reused). Snapshots have a pool of their own, so a step never takes a snapshot's buffer."""
 
     def __init__(self) -> None:
         self._pool = HostPool()
@@ -255,9 +275,9 @@ class HostSlots:
 
 
 def _slot(pool: HostPool, nbytes: int, pinned: bool) -> Slot:
-    if pinned:
-        return Slot(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None, None)
-    buf = pool.take(torch.uint8, nbytes)
+    # Pinned ones too: a cache miss of the caching host allocator is a cudaHostAlloc on the training thread. Given
+    # back once the writer has written the record, after waiting for its copies.
+    buf = pool.take(torch.uint8, nbytes, pinned)
     return Slot(buf, None, lambda: pool.give(buf))
 
 

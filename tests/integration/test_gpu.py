@@ -1,8 +1,8 @@
 """On a GPU (skipped without one): exact recovery with ``log.persistence: process``, no returned step lost when the
-trainer is killed, and an AMP loop (autocast fp16 + GradScaler + LR scheduler) resumed after SIGKILL equal to the
-uninterrupted run. The staging paths these exercise (pinned host buffers, copies on a side stream, CUDA RNG state)
-exist only on a GPU; CI has none, so these run where a GPU is lent (docs/measurements/gpu.md says when they last
-ran)."""
+trainer is killed (but the last one while its copy from the GPU runs), and an AMP loop (autocast fp16 + GradScaler +
+LR scheduler) resumed after SIGKILL equal to the uninterrupted run. The staging paths these exercise (pinned host
+buffers, copies on a side stream, CUDA RNG state) exist only on a GPU; CI has none, so these run where a GPU is lent
+(``bash bench/gpu.sh``; docs/measurements/gpu.md says when they last ran)."""
 
 from __future__ import annotations
 
@@ -66,11 +66,13 @@ def gpu_reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.mark.parametrize("sig,kill_after", [(signal.SIGKILL, 5), (signal.SIGKILL, 17), (signal.SIGTERM, 9)])
-def test_killed_gpu_trainer_loses_no_returned_step(tmp_path: Path, gpu_reference: Any, sig: int,
+def test_killed_gpu_trainer_loses_at_most_the_step_still_copying(tmp_path: Path, gpu_reference: Any, sig: int,
                                                    kill_after: int) -> None:
     returned = _run_and_signal(tmp_path / "run", kill_after, sig, scenario=dataclasses.replace(SCENARIO, device="cuda"))
     rec = _recover(tmp_path / "run")
-    assert returned <= rec.step <= returned + 1, f"signal {sig} after step {returned} returned; recovered {rec.step}"
+    # The step returned last is handed over once its copy from the GPU has completed, without waiting for it: a
+    # kill while that copy runs loses that one step (docs/guide/durability.md).
+    assert returned - 1 <= rec.step <= returned + 1, f"signal {sig} after step {returned}; recovered {rec.step}"
     assert_state_equal(*gpu_reference.refs[rec.step], rec)
 
 

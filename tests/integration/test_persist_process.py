@@ -866,9 +866,9 @@ def test_a_snapshot_whose_copies_are_in_flight_does_not_hold_training(tmp_path: 
                                                                       last: int, kill: bool, waits: int,
                                                                       snapshots: list[int]) -> None:
     """On a GPU a snapshot's copies into the persistence process's arena take tens of milliseconds: the training
-    thread hands it over once they complete, seen at a later step, instead of waiting for them (a step's own copies
-    are waited for: no returned step may depend on copies in flight when the trainer dies). A trainer killed
-    before then loses the snapshot, never a step, and recovery is exact."""
+    thread hands it over once they complete, seen at a later step, instead of waiting for them (as it does a step's
+    record: tests/integration/test_step_guards.py). A trainer killed before then loses the snapshot, not the steps
+    handed over, and recovery is exact."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-c", _SNAPSHOT_COPIES_IN_FLIGHT, str(run_dir),
                           json.dumps(SCENARIO.to_dict()), str(Path(__file__).parents[1]), str(polls), str(last),

@@ -1,0 +1,298 @@
+"""Guards of the steady-state ``opt.step()`` on the training thread (issue 35), on the CPU in CI and on a GPU where
+one is lent (``bench/gpu.sh`` runs them with ``LOWDIFF_GUARD_DEVICE=cuda``):
+
+* no operation that synchronizes a device (``_local_scalar_dense``, ``equal``, ``nonzero``, ``masked_select``,
+  ``unique``, ``is_nonzero``, copies to the host that are not non-blocking into pinned memory) made by lowdiff's own
+  code, seen by a ``TorchDispatchMode`` that records the training thread alone. The inner optimizer's own step is
+  not lowdiff's and is left out. On the CPU nothing synchronizes, so the guard judges each op by what it would be on
+  a GPU: a ``.to("cpu")`` of a tensor is a device-to-host copy there;
+* no wait for a copy in flight (an event's ``synchronize()``, ``torch.cuda.synchronize()``) outside snapshot steps,
+  with copies that complete only later (``lowdiff.testing.copies_in_flight``);
+* lowdiff's Python calls per step do not grow with the number of parameter tensors (8 and 64 layers: equal),
+  compression itself aside (one ``compress_decode`` per parameter, the compressor's own work).
+
+Models are small enough that the compressors take their device branch (Top-k's sampled CPU selection starts at
+65536 elements, lowdiff._compressors.topk)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lowdiff
+import lowdiff.testing
+
+DEVICE = os.environ.get("LOWDIFF_GUARD_DEVICE", "cpu")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("LOWDIFF_GUARD_DEVICE=cuda without a GPU", allow_module_level=True)
+
+LOWDIFF_DIR = str(Path(lowdiff.__file__).resolve().parent) + os.sep
+TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+OPTIM_DIR = TORCH_DIR + "optim" + os.sep
+SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
+           "aten::item", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim",
+           "aten::unique_consecutive", "aten::nonzero_numpy"}
+WARMUP = 6
+STEPS = 6
+
+
+def make(layers: int, width: int = 32) -> torch.nn.Module:
+    """``layers`` blocks of Linear + BatchNorm (persistent buffers that change every step) + ReLU."""
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks).to(DEVICE)
+
+
+def wrapped(tmp_path: Path, compressor: str, persistence: str, layers: int = 8, *,
+            tensor_lr: bool = False) -> tuple[Any, torch.nn.Module, Any]:
+    model = make(layers)
+    lr: Any = torch.tensor(1e-3, device=DEVICE) if tensor_lr else 1e-3
+    inner = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = lowdiff.wrap(inner, model, {
+        "run_dir": str(tmp_path / f"run-{compressor}-{persistence}-{layers}"),
+        "compressor": {"name": compressor, "ratio": 0.05, "rank": 2},
+        "snapshot": {"every_steps": 1000},  # none in the measured steps
+        "log": {"batch_steps": 4, "persistence": persistence}})
+    # Tracked at the end of an iteration, as in most loops: a step's iteration ends at the next opt.step().
+    sched = None if tensor_lr else opt.track(torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0), "sched")
+    opt.resume()
+    return opt, model, sched
+
+
+def one_step(opt: Any, model: torch.nn.Module, sched: Any, it: int, inside: Any = None) -> None:
+    g = torch.Generator().manual_seed(it)
+    x = torch.randn(16, model[0].in_features, generator=g).to(DEVICE)
+    model(x).square().mean().backward()
+    if inside is None:
+        opt.step()
+    else:
+        with inside():
+            opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+
+
+def _attributed(frame: Any) -> str | None:
+    """The lowdiff function an op comes from ("file:line"), or None: not lowdiff's (the inner optimizer's step, the
+    model, the test)."""
+    culprit = None
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if f.startswith(OPTIM_DIR):
+            return None  # inside the inner optimizer's step: its own ops
+        if culprit is None and not f.startswith(TORCH_DIR):
+            if not f.startswith(LOWDIFF_DIR):
+                return None
+            culprit = f"{f[len(LOWDIFF_DIR):]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return culprit
+
+
+def _host_copy_syncs(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a copy op makes the host wait for a device (on the CPU: would on a GPU)."""
+    if name == "aten::_to_copy":
+        src, dev = args[0], kwargs.get("device")
+        if dev is None or torch.device(dev).type != "cpu":
+            return False
+        # .to("cpu"): from the model's device, a copy into pageable memory the host waits for.
+        return src.device.type != "cpu" or DEVICE == "cpu"
+    if name == "aten::copy_":
+        dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return src.device.type != "cpu" and dst.device.type == "cpu" and not (non_blocking and dst.is_pinned())
+    return False
+
+
+class SyncWatch(TorchDispatchMode):
+    """Records the syncing ops lowdiff makes on the thread that opened it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.found: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if threading.get_ident() == self.thread:
+            name = func._schema.name
+            if name in SYNCING or _host_copy_syncs(name, args, kwargs):
+                where = _attributed(sys._getframe(1))
+                if where is not None:
+                    self.found[f"{name} from {where}"] += 1
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def strict(watch: SyncWatch, opt: Any) -> Iterator[None]:
+    """``watch`` open; on a GPU also ``torch.cuda.set_sync_debug_mode("error")`` for lowdiff's own calls (the inner
+    optimizer's step runs with it off: not lowdiff's)."""
+    with ExitStack() as stack:
+        stack.enter_context(watch)
+        if DEVICE == "cuda":
+            inner, step = opt.inner, opt.inner.step
+
+            def unguarded(*a: Any, **k: Any) -> Any:
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    return step(*a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("error")
+
+            inner.step = unguarded
+            stack.callback(lambda: delattr(inner, "step"))
+            torch.cuda.set_sync_debug_mode("error")
+            stack.callback(torch.cuda.set_sync_debug_mode, 0)
+        yield
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+@pytest.mark.parametrize("compressor", ["topk", "powersgd", "none"])
+def test_steady_steps_make_no_device_sync(tmp_path: Path, compressor: str, persistence: str) -> None:
+    opt, model, sched = wrapped(tmp_path, compressor, persistence)
+    watch = SyncWatch()
+    with opt:
+        for it in range(1, WARMUP + 1):
+            one_step(opt, model, sched, it)
+        for it in range(WARMUP + 1, WARMUP + STEPS + 1):
+            one_step(opt, model, sched, it, inside=lambda: strict(watch, opt))
+    assert not watch.found, dict(watch.found)
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_tensor_learning_rate_is_not_read_back_every_step(tmp_path: Path, persistence: str) -> None:
+    """A learning rate held in a tensor (on the GPU for capturable optimizers): read once, not twice a step."""
+    opt, model, sched = wrapped(tmp_path, "topk", persistence, tensor_lr=True)
+    watch = SyncWatch()
+    with opt:
+        for it in range(1, WARMUP + 1):
+            one_step(opt, model, sched, it)
+        for it in range(WARMUP + 1, WARMUP + STEPS + 1):
+            one_step(opt, model, sched, it, inside=lambda: strict(watch, opt))
+    assert not watch.found, dict(watch.found)
+
+
+class InFlight:
+    """A copy that completes only once the next step has begun (a GPU far behind the host): ``synchronize()`` on
+    the training thread is counted as a wait."""
+
+    clock = 0
+    waits: Counter[str] = Counter()
+    thread = 0
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.born = InFlight.clock
+
+    def query(self) -> bool:
+        return InFlight.clock > self.born
+
+    def synchronize(self) -> None:
+        if threading.get_ident() == InFlight.thread:
+            InFlight.waits[self.kind] += 1
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+@pytest.mark.parametrize("compressor", ["topk", "powersgd", "none"])
+def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, persistence: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    InFlight.clock, InFlight.waits, InFlight.thread = 0, Counter(), threading.get_ident()
+    device_waits: Counter[str] = Counter()
+    if torch.cuda.is_available():
+        def counted(what: str, real: Any) -> Any:
+            def wait(*a: Any, **k: Any) -> Any:
+                if threading.get_ident() == InFlight.thread:
+                    device_waits[what] += 1
+                return real(*a, **k)
+            return wait
+        monkeypatch.setattr(torch.cuda, "synchronize", counted("cuda", torch.cuda.synchronize))
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", counted("event", torch.cuda.Event.synchronize))
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted("stream", torch.cuda.Stream.synchronize))
+    opt, model, sched = wrapped(tmp_path, compressor, persistence)
+    with opt, lowdiff.testing.copies_in_flight(InFlight):
+        for it in range(1, WARMUP + 1):
+            InFlight.clock = it
+            one_step(opt, model, sched, it)
+        InFlight.waits.clear()
+        device_waits.clear()
+        for it in range(WARMUP + 1, WARMUP + STEPS + 1):
+            InFlight.clock = it
+            one_step(opt, model, sched, it)
+        waits = dict(InFlight.waits) | dict(device_waits)
+    assert waits == {}, waits
+    if DEVICE != "cpu":
+        return  # on a GPU the fake events stand in for copies really in flight: the bytes are not checked
+    # Records handed over late, in order: the log holds every step, and replaying it gives the live state.
+    last = WARMUP + STEPS
+    rec = lowdiff.recover(Path(opt.config.run_dir), workers=1)
+    assert rec.step == last
+    live = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    got = rec.model if isinstance(rec.model, dict) else rec.model.state_dict()
+    for k, v in live.items():
+        assert torch.equal(v, got[k].detach().cpu()), k
+
+
+SUBTREES_ASIDE = ("_payloads", "recv")
+"""Functions whose calls (and all under them) are not counted: the wrapper's compression loop, and the reading of
+the persistence process's messages (commits, freed slots), which come when the disk has written them."""
+
+
+def _lowdiff_calls(opt: Any, model: torch.nn.Module, sched: Any, it: int) -> Counter[str]:
+    """lowdiff's Python calls in one opt.step(), by function, but for SUBTREES_ASIDE: the wrapper's ``_payloads``
+    compresses each gradient and decodes it into ``.grad`` (a compressor's work per parameter, as a DDP
+    communication hook's is per bucket)."""
+    calls: Counter[str] = Counter()
+    depth = [0]
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(LOWDIFF_DIR):
+            return
+        if code.co_name in SUBTREES_ASIDE:
+            depth[0] += 1 if event == "call" else -1
+            return
+        if depth[0] or event == "return":
+            return
+        calls[f"{code.co_filename[len(LOWDIFF_DIR):]}:{code.co_name}"] += 1
+
+    def inside() -> Any:
+        class Profiled:
+            def __enter__(self) -> None:
+                sys.setprofile(prof)
+
+            def __exit__(self, *exc: object) -> None:
+                sys.setprofile(None)
+        return Profiled()
+
+    one_step(opt, model, sched, it, inside=inside)
+    return calls
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+@pytest.mark.parametrize("compressor", ["topk", "powersgd"])
+def test_lowdiff_python_work_per_step_does_not_grow_with_the_model(tmp_path: Path, compressor: str,
+                                                                    persistence: str) -> None:
+    counts = {}
+    for layers in (8, 64):
+        opt, model, sched = wrapped(tmp_path, compressor, persistence, layers)
+        with opt:
+            for it in range(1, WARMUP + 1):
+                one_step(opt, model, sched, it)
+            counts[layers] = _lowdiff_calls(opt, model, sched, WARMUP + 1)
+    grown = {k: (counts[8].get(k, 0), n) for k, n in counts[64].items() if n != counts[8].get(k, 0)}
+    grown |= {k: (n, 0) for k, n in counts[8].items() if k not in counts[64]}
+    assert not grown, grown
