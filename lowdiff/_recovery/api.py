@@ -27,6 +27,7 @@ from lowdiff._storage.format import MANIFEST, decode_value
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
+from lowdiff._storage.remote import fetched, is_url, name_remote
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state
 from lowdiff.errors import (
@@ -107,7 +108,7 @@ class Recovered:
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
             rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS,
-            shard: tuple[int, int] | None = None) -> Recovered:
+            shard: tuple[int, int] | None = None, storage_options: dict[str, Any] | None = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
     ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
@@ -123,7 +124,19 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
+
+    ``run_dir`` may be a URL (``s3://bucket/prefix``: a run mirrored with ``remote.url``): the run is fetched into
+    a temporary directory first (``storage_options``: the fsspec filesystem's; credentials and endpoint come from
+    the store's environment) and read there with every check of a local run.
     """
+    if is_url(run_dir):
+        with fetched(str(run_dir), storage_options, progress=progress is not None) as local:
+            try:
+                return recover(local, step, workers, device=device, optimizer_class=optimizer_class,
+                               progress=progress, rank=rank, options=options, shard=shard)
+            except LowDiffError as e:
+                name_remote(e, local, str(run_dir))
+                raise
     t_start = time.perf_counter()
     root = Path(run_dir)
     manifest = read_manifest(root)
