@@ -13,7 +13,9 @@ mirror then makes one *pass*:
 
 An object is visible whole or not at all, and readers take only complete sets that the manifest's run and history
 own, so the remote prefix is a consistent run directory at every instant. A pass that ends with every file listed
-at its start uploaded makes the step durable when it started *remote-durable*. A failing or hanging store never
+at its start uploaded makes the step durable when it started *remote-durable*, once the uploaded names reach it
+(under DDP rank 0's mirror uploads every rank's shards, and waits for a set whose other shards are still being
+committed). A failing or hanging store never
 reaches training: the pass is retried with backoff (0.5 s to 30 s), a warning says once when the lag passes
 ``remote.lag_warn_s``, and the next pass uploads whatever is current then. What was uploaded is recorded in
 ``RUN_DIR/mirror.json`` (lowdiff._storage.remote), so a restarted mirror uploads only what is missing.
@@ -30,13 +32,15 @@ from typing import Any
 
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import MANIFEST
-from lowdiff._storage.remote import Store, local_files, read_record, step_key, write_record
+from lowdiff._storage.remote import Store, local_files, reach, read_record, step_key, write_record
 from lowdiff.errors import RemoteStoreError
 
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)
 """First and longest wait before a failed pass is retried."""
+INCOMPLETE_WAIT_S = 0.5
+"""How long a pass that found another rank's shard of a file set missing waits before it looks again."""
 
 
 class Mirror:
@@ -130,9 +134,17 @@ class Mirror:
             if self._failing is not None:
                 log.warning("lowdiff: %s answers again; the mirror is catching up", self.url)
                 self._failing = None
+            assert self._remote is not None
+            reached = min(target, reach(self._remote))
             with self._cond:
                 if not whole:
                     self._dirty = True  # a file went while uploading (retention): list again at once
+                elif reached < target and not self._stop:
+                    # Under DDP another rank's shard of the newest files is not committed yet: look again shortly.
+                    self._done = max(self._done, reached)
+                    self.stats.remote_durable_step = self._done
+                    self._dirty = True
+                    self._cond.wait(INCOMPLETE_WAIT_S)
                 else:
                     self._done = max(self._done, target)
                     self.stats.remote_durable_step = self._done

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from lowdiff._storage.format import MANIFEST, decode_value
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
-from lowdiff._storage.remote import fetched, is_url, name_remote
+from lowdiff._storage.remote import fetched, is_url, name_remote, needed
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state
 from lowdiff.errors import (
@@ -130,13 +131,9 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     the store's environment) and read there with every check of a local run.
     """
     if is_url(run_dir):
-        with fetched(str(run_dir), storage_options, progress=progress is not None) as local:
-            try:
-                return recover(local, step, workers, device=device, optimizer_class=optimizer_class,
-                               progress=progress, rank=rank, options=options, shard=shard)
-            except LowDiffError as e:
-                name_remote(e, local, str(run_dir))
-                raise
+        return _recover_remote(str(run_dir), storage_options, step, progress, lambda local: recover(
+            local, step, workers, device=device, optimizer_class=optimizer_class, progress=progress, rank=rank,
+            options=options, shard=shard))
     t_start = time.perf_counter()
     root = Path(run_dir)
     manifest = read_manifest(root)
@@ -200,6 +197,27 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
         if own is not None:
             return _assemble_own(root, manifest, stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
         return _assemble(root, manifest, result, target, chain, report, device, rank)
+
+
+def _recover_remote(url: str, storage_options: dict[str, Any] | None, step: int | None, progress: Any,
+                    recover_at: Callable[[Path], Recovered]) -> Recovered:
+    """Recovery of a remote run: fetch what the step needs when nothing is damaged (lowdiff._storage.remote.needed)
+    and recover from it; where that skipped or refused anything, fetch the whole run and recover from that, so an
+    older snapshot can stand in for a damaged one exactly as on a local disk."""
+    for select in (lambda names: needed(names, step), None):
+        with fetched(url, storage_options, progress=progress is not None, select=select) as local:
+            try:
+                rec = recover_at(local)
+            except LowDiffError as e:
+                if select is not None:
+                    log.info("recovery: %s: %s; fetching the whole run", url, e)
+                    continue
+                name_remote(e, local, url)
+                raise
+            if select is None or not rec.report.skipped:
+                return rec
+            log.info("recovery: %s: a file the step needs is damaged; fetching the whole run", url)
+    raise AssertionError("unreachable")
 
 
 def _screen_contested(root: Path, manifest: Manifest, damaged: set[Path], skipped: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,32 @@ def local_files(root: Path) -> dict[str, tuple[int, int]]:
         st = (root / MANIFEST).stat()
         out[MANIFEST] = (st.st_size, st.st_mtime_ns)
     return out
+
+
+def reach(names: Iterable[str]) -> int:
+    """The step the named files reach, judged by names alone: the newest complete snapshot set and the complete
+    segment sets contiguous after it (-1: no complete snapshot). Under DDP a set is complete once every rank's
+    shard is there."""
+    snaps: dict[int, dict[int, set[int]]] = {}
+    segs: dict[tuple[int, int], dict[int, set[int]]] = {}
+    for name in names:
+        where, _, base = name.partition("/")
+        if where == SNAPSHOT_DIR and (snap := parse_snapshot_name(base)) is not None:
+            snaps.setdefault(snap[0], {}).setdefault(snap[1].count, set()).add(snap[1].index)
+        elif where == LOG_DIR and (seg := parse_segment_name(base)) is not None:
+            segs.setdefault((seg[0], seg[1]), {}).setdefault(seg[2].count, set()).add(seg[2].index)
+
+    def complete(sets: dict[int, set[int]]) -> bool:
+        return any(len(indexes) == count for count, indexes in sets.items())
+
+    bases = [s for s, sets in snaps.items() if complete(sets)]
+    if not bases:
+        return -1
+    end = max(bases)
+    for first, last in sorted(k for k, sets in segs.items() if complete(sets)):
+        if first <= end + 1 < last + 1:
+            end = last
+    return end
 
 
 def newest_step(names: Any) -> int:
@@ -189,11 +215,25 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return tuple(p) if isinstance(p, (tuple, list)) else (p,)
 
 
+def needed(names: Iterable[str], step: int | None) -> set[str]:
+    """Of a run's files, those a recovery of ``step`` (None: the newest) reads when nothing is damaged: the newest
+    snapshot at or before it, the segments after that snapshot and the stop files from it on."""
+    names = set(names)
+    snaps = sorted({step_key(n)[0] for n in names if n.startswith(SNAPSHOT_DIR + "/")})
+    bases = [s for s in snaps if step is None or s <= step]
+    if not bases:
+        return names  # the whole run: its readers say what is missing
+    base = bases[-1]
+    return {n for n in names if (n.startswith(SNAPSHOT_DIR + "/") and step_key(n)[0] == base)
+            or (n.startswith(LOG_DIR + "/") and step_key(n)[0] > base)
+            or (n.startswith(STOP_DIR + "/") and step_key(n)[0] >= base)}
+
+
 def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int = PULL_WORKERS,
-         names: list[str] | None = None) -> list[str]:
-    """Download the remote run (``names``: only those, the manifest always) into ``dest``: data files in parallel,
-    the manifest last. Records them in ``dest``'s mirror record as uploaded. Returns the names fetched. Raises
-    :class:`RemoteStoreError` when the store cannot be read or holds no run."""
+         select: Callable[[Iterable[str]], set[str]] | None = None) -> list[str]:
+    """Download the remote run (``select``: only the files it picks from the run's names, the manifest always) into
+    ``dest``: data files in parallel, the manifest last. Records them in ``dest``'s mirror record as uploaded.
+    Returns the names fetched. Raises :class:`RemoteStoreError` when the store cannot be read or holds no run."""
     try:
         remote = store.list()
     except Exception as e:
@@ -201,7 +241,8 @@ def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int
     if MANIFEST not in remote:
         raise RemoteStoreError(f"{store.url} holds no lowdiff run (no {MANIFEST} under it); check remote.url and "
                                "the store's credentials and endpoint (AWS_ENDPOINT_URL, ...)")
-    wanted = sorted((n for n in remote if n != MANIFEST and (names is None or n in names)), key=step_key)
+    picked = select(n for n in remote if n != MANIFEST) if select is not None else set(remote)
+    wanted = sorted((n for n in picked if n != MANIFEST), key=step_key)
     for where in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR):
         (dest / where).mkdir(parents=True, exist_ok=True)
     total = sum(remote[n] for n in wanted) + remote[MANIFEST]
@@ -230,14 +271,14 @@ def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int
 
 
 @contextlib.contextmanager
-def fetched(url: str, storage_options: Mapping[str, Any] | None = None, *, progress: bool | None = None
-            ) -> Iterator[Path]:
-    """A remote run fetched into a temporary directory (removed afterwards), for the local readers: recovery,
-    verification and inspection then check every file exactly as on a local disk."""
+def fetched(url: str, storage_options: Mapping[str, Any] | None = None, *, progress: bool | None = None,
+            select: Callable[[Iterable[str]], set[str]] | None = None) -> Iterator[Path]:
+    """A remote run (``select``: see :func:`pull`) fetched into a temporary directory (removed afterwards), for the
+    local readers: recovery, verification and inspection then check every file exactly as on a local disk."""
     store = Store(url, storage_options)
     tmp = Path(tempfile.mkdtemp(prefix="lowdiff-remote-"))
     try:
-        pull(store, tmp, progress=progress)
+        pull(store, tmp, progress=progress, select=select)
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

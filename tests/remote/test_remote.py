@@ -40,7 +40,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("compressor,persistence", [("topk", "process"), ("none", "thread")])
-def test_recover_from_the_bucket_alone(tmp_path: Path, s3, reference, compressor: str, persistence: str) -> None:
+def test_recover_from_the_bucket_alone(tmp_path: Path, s3, reference, compressor: str, persistence: str,
+                                       caplog: pytest.LogCaptureFixture) -> None:
     url = f"s3://{s3.new_bucket()}/runs/a"
     scenario = replace(BASE, compressor=compressor, persistence=persistence, remote_url=url)
     t = train_run(scenario, tmp_path / "run", STEPS, close=False)
@@ -50,9 +51,17 @@ def test_recover_from_the_bucket_alone(tmp_path: Path, s3, reference, compressor
     t.opt.close()
     shutil.rmtree(tmp_path / "run")  # the machine is lost
 
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lowdiff")
     rec = lowdiff.recover(url)
     assert rec.step == STEPS
     assert_state_equal(*reference[compressor].refs[STEPS], rec)
+    # Only what step 20 needs came down: the snapshot of step 14 and the log after it, not snapshots 0 and 7.
+    fetches = [r.getMessage() for r in caplog.records if "fetched" in r.getMessage()]
+    in_bucket = len(s3.fs().find(url[len("s3://"):]))
+    assert len(fetches) == 1, fetches
+    assert int(fetches[0].split("fetched ")[1].split()[0]) < in_bucket - 2, (in_bucket, fetches)
     older = lowdiff.recover(url, step=STEPS - 5)
     assert_state_equal(*reference[compressor].refs[STEPS - 5], older)
     assert lowdiff.verify(url).ok
@@ -248,3 +257,27 @@ def test_another_runs_manifest_is_refused(tmp_path: Path, s3, mirrored) -> None:
 def test_an_empty_prefix_is_no_run(s3) -> None:
     with pytest.raises(lowdiff.RemoteStoreError, match="holds no lowdiff run"):
         lowdiff.recover(f"s3://{s3.new_bucket()}/nothing")
+
+
+def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
+    """snapshot.keep: 2: the bucket ends with exactly the local run's files (old snapshots and their log deleted
+    there too, each after the newer snapshot went up)."""
+    import lowdiff_harness
+
+    url = f"s3://{s3.new_bucket()}/kept"
+    scenario = replace(BASE, persistence="process", remote_url=url)
+    model = lowdiff_harness.make_model(scenario.model, scenario.seed)
+    inner = lowdiff_harness.make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
+    config = scenario.config(tmp_path / "run")
+    config["snapshot"]["keep"] = 2
+    opt = lowdiff.wrap(inner, model, config)
+    t = lowdiff_harness.Trainer(scenario, model, inner, opt, None)
+    t.train(1, 30)
+    opt.close()
+    local = {str(p.relative_to(tmp_path / "run")) for sub in ("snapshots", "log", "stops")
+             for p in (tmp_path / "run" / sub).iterdir()} | {"manifest.json"}
+    prefix = url[len("s3://"):]
+    remote = {p[len(prefix) + 1:] for p in s3.fs().find(prefix)}
+    assert remote == local
+    assert len([n for n in remote if n.startswith("snapshots/")]) == 2
+    assert_state_equal(*t.refs[30], lowdiff.recover(url))
