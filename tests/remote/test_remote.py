@@ -281,3 +281,66 @@ def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
     assert remote == local
     assert len([n for n in remote if n.startswith("snapshots/")]) == 2
     assert_state_equal(*t.refs[30], lowdiff.recover(url))
+
+
+def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """A machine comes back with a stale copy of the run (step 6) while the bucket holds step 14: the bucket's run
+    is pulled (the stale files moved to quarantine/) and said so; a local run at least as new is kept."""
+    import logging
+
+    url = f"s3://{s3.new_bucket()}/run"
+    scenario = replace(BASE, persistence="thread", remote_url=url)
+    train_run(scenario, tmp_path / "a", 6)
+    shutil.copytree(tmp_path / "a", tmp_path / "stale")
+    t = start(scenario, tmp_path / "a")
+    t.train(7, 14)
+    t.opt.close()
+
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    t2 = start(scenario, tmp_path / "stale", resume=False)
+    assert t2.opt.resume() == 14
+    t2.opt.close()
+    said = [r.getMessage() for r in caplog.records if "is newer than" in r.getMessage()]
+    assert said and "quarantine" in said[0], [r.getMessage() for r in caplog.records]
+    assert list((tmp_path / "stale" / "quarantine").rglob("*.h5"))
+
+    caplog.clear()
+    t3 = start(scenario, tmp_path / "a", resume=False)  # as new as the bucket: the local run is used
+    assert t3.opt.resume() == 14
+    t3.opt.close()
+    assert any("at least as new as" in r.getMessage() for r in caplog.records)
+
+
+def test_close_names_the_steps_not_in_the_bucket(tmp_path: Path, s3_env, caplog: pytest.LogCaptureFixture) -> None:
+    """The store goes away for good: training goes on, and close() (after remote.close_timeout_s) names the steps
+    that are only on the local disk."""
+    import logging
+    import os
+
+    from s3server import start_server, stop_server
+
+    server = start_server()
+    before = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    try:
+        url = f"s3://{server.new_bucket()}/gone"
+        t = start(replace(BASE, persistence="thread", remote_url=url, remote_close_timeout_s=2.0), tmp_path / "run")
+        t.train(1, 5)
+        t.opt.flush()
+        wait_remote_durable(t.opt)
+        stop_server(server)
+        caplog.set_level(logging.WARNING, logger="lowdiff")
+        t.train(6, 10)
+        t0 = time.monotonic()
+        t.opt.close()
+        assert time.monotonic() - t0 < 30
+        said = [r.getMessage() for r in caplog.records if "not remote-durable" in r.getMessage()]
+        assert said and "to 10 are not remote-durable" in said[0], [r.getMessage() for r in caplog.records]
+        assert lowdiff.recover(tmp_path / "run").step == 10  # on the local disk, whole
+    finally:
+        if before is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = before
+        if server.proc.poll() is None:
+            stop_server(server)
