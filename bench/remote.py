@@ -101,6 +101,7 @@ def main() -> None:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    machine = machine_info()
     server, endpoint = start_s3()
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     work = Path(tempfile.mkdtemp(prefix="lowdiff-remote-bench-", dir=args.work_dir))
@@ -146,7 +147,8 @@ def main() -> None:
             remote_s.append(time.perf_counter() - t0)
             assert a.step == b.step == steps and all(torch.equal(a.model[k], b.model[k]) for k in a.model)
         out = {
-            "machine": machine_info(), "model": spec.as_dict(), "compressor": "topk 0.01", "persistence": "process",
+            "machine": machine, "machine_taken": "start", "model": spec.as_dict(), "compressor": "topk 0.01",
+            "persistence": "process",
             "rounds": args.rounds, "window": args.window, "torch_threads": 1,
             "step_ratio_mirror_over_off": statistics.median(ratios), "round_ratios": ratios, "per_round_s": per_round,
             "log_bytes": mstats.log_bytes, "snapshot_bytes": mstats.snapshot_bytes,
@@ -196,8 +198,9 @@ def page(o: dict[str, Any], png: str) -> str:
 
 Written by `python bench/remote.py` ({'smoke' if o['rounds'] <= 2 else 'full'} run) at commit
 {m.get('git_commit', '?')[:10]} on {m.get('date', '?')}. Machine: {m.get('platform', '?')}, {m.get('cpu_count', '?')}
-CPUs shared with other engineers' tests and benchmarks during the run (load average at the start
-{', '.join(f'{x:.1f}' for x in m.get('loadavg_start', ()))}; differences under about 10 % are within the noise);
+CPUs shared with other engineers' tests and benchmarks during the run (load average at the {o.get('machine_taken',
+'start')} {', '.join(f'{x:.1f}' for x in m.get('loadavg_start', ()))}; differences under about 10 % are within the
+noise);
 torch {m.get('torch', '?')}, one torch thread. Model: GPT
 {o['model']['n_layer']} layers x {o['model']['d_model']}, {o['model']['tokens_per_step']} tokens per step;
 compressor {o['compressor']}, persistence process, snapshots only at step 0 (the mirror uploads segments). The S3
@@ -205,8 +208,10 @@ server is moto's, on 127.0.0.1 (a local server: no network in the figures).
 
 {table}
 
-The lag is sampled after every step of the mirror twin: a segment is uploaded after its commit, so the lag is
-counted from the commit (up to `log.batch_steps` = 16 steps are committed together). ![ratios]({png})
+The lag is `opt.stats.remote_lag_steps` / `remote_lag_s`, sampled after every step of the mirror twin: it counts
+from a file's local commit (up to `log.batch_steps` = 16 steps are committed together, and the steps not yet
+committed are not in it), so 0 means every committed file was in the bucket when the step returned.
+![ratios]({png})
 """
 
 
