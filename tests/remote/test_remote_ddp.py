@@ -1,5 +1,5 @@
-"""A 2-rank gloo DDP run mirrored to the bucket (rank 0's persistence side uploads both ranks' shards), recovered
-exactly from the bucket alone."""
+"""2-rank gloo DDP and FSDP2 (fully_shard) runs mirrored to the bucket (rank 0's persistence side uploads both ranks'
+shards), recovered exactly from the bucket alone."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import lowdiff
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parents[1] / "distributed" / "ddp_worker.py"
+FSDP_WORKER = WORKER.with_name("fsdp_worker.py")
 
 
 def _free_port() -> int:
@@ -24,12 +25,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("persistence", ["process"])
-def test_ddp_run_mirrored_and_recovered_from_the_bucket(tmp_path: Path, s3, persistence: str) -> None:
-    url = f"s3://{s3.new_bucket()}/ddp"
+@pytest.mark.parametrize("worker", ["ddp", "fsdp"])
+def test_run_mirrored_and_recovered_from_the_bucket(tmp_path: Path, s3, worker: str) -> None:
+    if worker == "fsdp" and not hasattr(torch.distributed, "fsdp"):
+        pytest.skip("this torch has no FSDP2")
+    url = f"s3://{s3.new_bucket()}/{worker}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), str(tmp_path / "run"), "topk", "12",
-           str(tmp_path / "ref.pt"), "--persistence", persistence, "--remote", url]
+           "--master_port", str(_free_port()), str(WORKER if worker == "ddp" else FSDP_WORKER), str(tmp_path / "run"),
+           "topk", "12", str(tmp_path / "ref.pt"), "--persistence", "process", "--remote", url]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     refs = torch.load(tmp_path / "ref.pt", weights_only=False)
