@@ -310,7 +310,6 @@ class Checkpointer:
         finally:
             self.run_dir.release()
 
-
     def _last_upload(self, durable: int) -> None:
         """After the writer's mirror: what this process committed after the writer closed (a clean stop's stop
         file; lowdiff._training.opening), then say which steps are not remote-durable."""
