@@ -261,7 +261,8 @@ def test_an_empty_prefix_is_no_run(s3) -> None:
 
 def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
     """snapshot.keep: 2: the bucket ends with exactly the local run's files (old snapshots and their log deleted
-    there too, each after the newer snapshot went up)."""
+    there too, each after the newer snapshot went up). Credentials given in remote.storage_options are used and
+    written nowhere: not in the run directory, not in the bucket."""
     import lowdiff_harness
 
     url = f"s3://{s3.new_bucket()}/kept"
@@ -270,6 +271,8 @@ def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
     inner = lowdiff_harness.make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
     config = scenario.config(tmp_path / "run")
     config["snapshot"]["keep"] = 2
+    secret = "SECRET-MARKER-5f2c"
+    config["remote"]["storage_options"] = {"key": "lowdiff-test", "secret": secret}
     opt = lowdiff.wrap(inner, model, config)
     t = lowdiff_harness.Trainer(scenario, model, inner, opt, None)
     t.train(1, 30)
@@ -280,6 +283,8 @@ def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
     remote = {p[len(prefix) + 1:] for p in s3.fs().find(prefix)}
     assert remote == local
     assert len([n for n in remote if n.startswith("snapshots/")]) == 2
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not [n for n in s3.fs().find(prefix) if secret.encode() in s3.fs().cat(n)]
     assert_state_equal(*t.refs[30], lowdiff.recover(url))
 
 
