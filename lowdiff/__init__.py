@@ -20,13 +20,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lowdiff.config import CompressorConfig, Config, LogConfig, SnapshotConfig, TunerConfig
+from lowdiff.config import CompressorConfig, Config, LogConfig, RemoteConfig, SnapshotConfig, TunerConfig
 from lowdiff.errors import (
     CheckpointWriteError,
     ConfigError,
     CorruptFileError,
     LowDiffError,
     ModelMismatchError,
+    RemoteStoreError,
     RunDirNotFoundError,
     RunLockedError,
     StepNotAvailableError,
@@ -82,6 +83,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "wrap", "recover", "verify", "inspect", "compact", "LowDiffOptimizer", "CheckpointStats", "Recovered",
     "RecoveryReport", "ReplayOptions", "Config", "CompressorConfig", "SnapshotConfig", "LogConfig", "TunerConfig",
-    "LowDiffError", "ConfigError", "CorruptFileError", "CheckpointWriteError", "ModelMismatchError",
+    "RemoteConfig", "LowDiffError", "RemoteStoreError", "ConfigError", "CorruptFileError", "CheckpointWriteError",
+    "ModelMismatchError",
     "RunDirNotFoundError", "RunLockedError", "StepNotAvailableError", "UnsupportedError", "__version__",
 ]

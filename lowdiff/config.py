@@ -188,6 +188,45 @@ class TunerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """A mirror of the run directory in object storage (docs/guide/durability.md): every committed file is uploaded
+    by the persistence side after its local commit, the manifest last, so the remote prefix is always a run
+    directory that ``lowdiff.recover(url)`` and ``opt.resume()`` on a new machine read. Needs ``pip install
+    lowdiff[remote]`` (fsspec, and s3fs for ``s3://``)."""
+
+    url: str | None = None
+    """An fsspec URL: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///mnt/nfs/runs/a``; None: no mirror.
+    Endpoint and credentials come from the store's standard sources (for S3: ``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``), never from here."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the fsspec filesystem (e.g. ``{"config_kwargs": {"read_timeout": 60}}`` for s3fs).
+    Never written into the run directory or a log line."""
+    close_timeout_s: float = 60.0
+    """How long ``opt.close()`` waits for the mirror to upload everything committed, then names the steps that are
+    not remote-durable (>= 0)."""
+    lag_warn_s: float = 300.0
+    """Warn once the oldest committed file not yet uploaded has waited this many seconds (> 0)."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            _check_type("remote.url", self.url, str, "an fsspec URL such as s3://bucket/prefix")
+            scheme, sep, rest = self.url.partition("://")
+            if not sep or not scheme or not rest.strip("/") or not scheme.replace("+", "").isalnum():
+                raise ConfigError(f"config key 'remote.url' must be an fsspec URL such as s3://bucket/prefix or "
+                                  f"file:///mnt/nfs/run, got {self.url!r}")
+            if "@" in rest.split("/", 1)[0] or "?" in rest:
+                raise ConfigError("config key 'remote.url' must not hold credentials or query parameters: give "
+                                  "them in the store's environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or "
+                                  "remote.storage_options")
+        _check_type("remote.storage_options", self.storage_options, Mapping, "a mapping of filesystem options")
+        if not all(isinstance(k, str) for k in self.storage_options):
+            raise ConfigError("config key 'remote.storage_options' must have string keys")
+        _check_number("remote.close_timeout_s", self.close_timeout_s, lambda v: 0 <= v < float("inf"),
+                      "a number of seconds >= 0")
+        _check_number("remote.lag_warn_s", self.lag_warn_s, lambda v: 0 < v < float("inf"), "a number > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """Everything lowdiff needs to know. Build with :meth:`from_dict` or :meth:`from_yaml`."""
 
@@ -201,6 +240,7 @@ class Config:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tuner: TunerConfig = field(default_factory=TunerConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     def __post_init__(self) -> None:
         _check_type("run_dir", self.run_dir, (str, os.PathLike), "a path string")
@@ -244,8 +284,11 @@ class Config:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every setting but ``remote`` (where the run is mirrored is not what the run is, and its storage options
+        may hold secrets): this is what manifest.json records."""
         out = dataclasses.asdict(self)
         out["run_dir"] = str(self.run_dir)
+        del out["remote"]
         return out
 
 
@@ -299,6 +342,7 @@ _NESTED: dict[str, type] = {
     "SnapshotConfig": SnapshotConfig,
     "LogConfig": LogConfig,
     "TunerConfig": TunerConfig,
+    "RemoteConfig": RemoteConfig,
 }
 
 

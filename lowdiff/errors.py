@@ -77,3 +77,8 @@ class RunLockedError(LowDiffError, RuntimeError):
 
 class UnsupportedError(LowDiffError, NotImplementedError):
     """A feature combination lowdiff cannot checkpoint exactly."""
+
+
+class RemoteStoreError(LowDiffError, OSError):
+    """The remote store (``remote.url``, or a URL given to recovery) cannot be reached, listed or read, or holds
+    no usable run."""

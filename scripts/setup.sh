@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: torch (only if none is importable), then lowdiff in editable mode with
-# its test extras and the frameworks its integrations support (Lightning, transformers + accelerate), which also
-# installs the `lowdiff-recover` and `lowdiff` console scripts.
+# its test extras, the remote tier (fsspec, s3fs; moto's S3 server for its tests) and the frameworks its
+# integrations support (Lightning, transformers + accelerate), which also installs the `lowdiff-recover` and
+# `lowdiff` console scripts.
 #
 #   bash scripts/setup.sh            # set up
 #   bash scripts/setup.sh --demo     # set up, then run examples/demo.py (any further arguments go to it)
@@ -27,7 +28,7 @@ else
 fi
 
 torch_before="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
-"$PYTHON" -m pip install -e ".[test,integrations]"
+"$PYTHON" -m pip install -e ".[test,integrations,remote]"
 # The extras must not replace the torch installed above (a resolver pulling a CUDA build would be gigabytes).
 torch_after="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
 if [[ "$torch_before" != "$torch_after" ]]; then

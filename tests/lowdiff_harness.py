@@ -198,9 +198,14 @@ class Scenario:
     when_behind: str = "wait"
     queue_depth: int = 4
     background_copy: bool = False
+    remote_url: str | None = None
+    """``remote.url``: the run mirrored to this URL (tests/remote)."""
+    remote_close_timeout_s: float = 60.0
 
     def config(self, run_dir: str | Path) -> dict[str, Any]:
-        return {
+        remote = {"remote": {"url": self.remote_url, "close_timeout_s": self.remote_close_timeout_s,
+                             "lag_warn_s": 3.0}} if self.remote_url else {}
+        return {**remote,
             "run_dir": str(run_dir),
             "compressor": {"name": self.compressor, "ratio": self.ratio, "rank": self.rank},
             "snapshot": {"every_steps": self.every_steps, "shadow": self.shadow,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,15 @@ class CheckpointStats:
     """Snapshots staged into the host buffers of an earlier, persisted snapshot."""
     layerwise: LayerwiseStats | None = None
     """Layer-wise capture (``log.capture: layerwise``), None when gradients are copied in step()."""
+    remote_durable_step: int | None = None
+    """``remote.url``: the newest step whose files are all in the remote store (-1: none confirmed yet); None
+    without a remote (or on a rank other than 0, whose persistence side uploads every rank's files)."""
+    remote_lag_steps: int = 0
+    """Steps durable on the local disk and not yet in the remote store."""
+    remote_lag_bytes: int = 0
+    """Bytes of committed files still to upload (as of the mirror's last pass)."""
+    remote_lag_s: float = 0.0
+    """How long the oldest committed file not yet uploaded has waited (0: caught up)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,8 @@ class Checkpointer:
         self.retention = RetentionPolicy(config.snapshot.keep)
         self._writer: Writer | None = None
         self._last_submitted = 0
+        self.remote: dict[str, Any] | None = remote_settings(config)
+        """The ``remote`` section the writer's mirror gets (lowdiff/_persist/mirror.py), None without one."""
         self.on_stop: Callable[[int], None] | None = None
         """Called by :meth:`close` with the durable step once the log is whole (lowdiff._training.opening writes the
         compressor's memory of a clean stop there)."""
@@ -122,7 +134,7 @@ class Checkpointer:
         settings: dict[str, Any] = dict(
             batch_steps=self.policy.batch_steps, codec=resolve_codec(cfg.log.codec, cfg.compressor.name),
             compressor=cfg.compressor.name, queue_depth=cfg.log.queue_depth, retention=self.retention,
-            durable_step=durable_step, shadow=shadow, when_behind=cfg.log.when_behind)
+            durable_step=durable_step, shadow=shadow, when_behind=cfg.log.when_behind, remote=self.remote)
         if cfg.log.persistence == "process" and (why := _process_unavailable()) is None:
             from lowdiff._persist.process_writer import ProcessWriter
 
@@ -168,7 +180,16 @@ class Checkpointer:
             every_steps=pol.every_steps, batch_steps=pol.batch_steps, last_snapshot_step=pol.last_snapshot_step,
             shadow=bool(self._writer and self._writer.shadow_ok), tuner_probing=pol.probing, tuner_settled=pol.settled,
             tuner_decisions=pol.decisions, writer_cpu_s=st.cpu_s,
-            write_error=str(err) if (err := self._writer.error if self._writer else None) is not None else None)
+            write_error=str(err) if (err := self._writer.error if self._writer else None) is not None else None,
+            **self._remote_stats(st))
+
+    def _remote_stats(self, st: WriterStats) -> dict[str, Any]:
+        if self.remote is None or self.run_dir.shard.index != 0:
+            return {}
+        since = st.remote_behind_since
+        return dict(remote_durable_step=st.remote_durable_step,
+                    remote_lag_steps=max(0, self.durable_step - max(st.remote_durable_step, 0)) if since else 0,
+                    remote_lag_bytes=st.remote_lag_bytes, remote_lag_s=max(0.0, time.time() - since) if since else 0.0)
 
     def needs_capture(self, step: int) -> bool:
         """Whether the wrapper must stage a snapshot of its state at ``step`` (a snapshot step that the shadow
@@ -284,8 +305,36 @@ class Checkpointer:
                 self.check()
                 if self.on_stop is not None:
                     self.on_stop(self._writer.durable_step)
+                if self.remote is not None and self.run_dir.shard.index == 0:
+                    self._last_upload(self._writer.durable_step)
         finally:
             self.run_dir.release()
+
+    def _last_upload(self, durable: int) -> None:
+        """After the writer's mirror: what this process committed after the writer closed (a clean stop's stop
+        file; lowdiff._training.opening), then say which steps are not remote-durable."""
+        assert self.remote is not None
+        remote = self.writer_stats.remote_durable_step
+        if remote >= durable:
+            from lowdiff._persist.mirror import Mirror
+
+            remote = min(remote, Mirror(self.run_dir.path, self.remote, WriterStats(), durable_step=durable).close())
+        if remote >= durable:
+            log.info("lowdiff: every step up to %d is in %s", durable, self.remote["url"])
+            return
+        log.warning("lowdiff: steps %d to %d are not remote-durable: they are on the local disk in %s only, not yet "
+                    "in %s (remote.close_timeout_s: %s s passed). A later run with this remote uploads them; until "
+                    "then a loss of this machine loses them", max(remote, -1) + 1, durable, self.run_dir.path,
+                    self.remote["url"], self.remote["close_timeout_s"])
+
+
+def remote_settings(config: Config) -> dict[str, Any] | None:
+    """The ``remote`` section as the mirror takes it (a plain dict: it crosses to the persistence process)."""
+    rc = config.remote
+    if rc.url is None:
+        return None
+    return {"url": rc.url, "storage_options": dict(rc.storage_options), "close_timeout_s": rc.close_timeout_s,
+            "lag_warn_s": rc.lag_warn_s}
 
 
 def _state_nbytes(state: SnapshotState) -> int:

@@ -138,7 +138,8 @@ def main(fd: int) -> None:
     reporter = Reporter(conn)
     writer = BackgroundWriter(run_dir, batch_steps=w["batch_steps"], codec=w["codec"], compressor=w["compressor"],
                               queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
-                              durable_step=w["durable_step"], shadow=start.shadow, events=reporter.events())
+                              durable_step=w["durable_step"], shadow=start.shadow, events=reporter.events(),
+                              remote=w.get("remote"))
     reporter.writer = writer
     paced = w.get("when_behind") == "replica" and start.shadow is not None
     session = Session(conn, writer, reporter, start.trainer_pid,

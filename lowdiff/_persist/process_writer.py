@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from lowdiff._persist import messages as m
@@ -53,7 +54,7 @@ class ProcessWriter:
 
     def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
                  retention: RetentionPolicy, durable_step: int, shadow: Any = None,
-                 when_behind: str = "wait") -> None:
+                 when_behind: str = "wait", remote: Mapping[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self._queue_depth = queue_depth
@@ -79,7 +80,8 @@ class ProcessWriter:
             compressor_params=run_dir.compressor_params, run_id=run_dir.run_id, branch=run_dir.branch,
             writer={"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
                     "queue_depth": queue_depth, "retention": retention.keep_snapshots,
-                    "durable_step": durable_step, "when_behind": when_behind},
+                    "durable_step": durable_step, "when_behind": when_behind,
+                    "remote": dict(remote) if remote is not None else None},
             shadow=shadow, log_level=logging.getLogger("lowdiff").getEffectiveLevel(), trainer_pid=os.getpid()),
             on_freed=self._freed, before_wait=self._before_wait)
         self.start_s = self._chan.start_s

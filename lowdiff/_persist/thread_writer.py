@@ -11,10 +11,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff._persist.gc_pause import collector_paused
+from lowdiff._persist.mirror import Mirror
 from lowdiff._persist.writer import WriterEvents, WriterStats
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
@@ -56,7 +58,8 @@ class BackgroundWriter:
 
     def __init__(self, run_dir: RunDir, *, batch_steps: int, codec: str, compressor: str, queue_depth: int,
                  retention: RetentionPolicy, durable_step: int, shadow: Any = None,
-                 when_behind: str = "wait", events: WriterEvents | None = None) -> None:
+                 when_behind: str = "wait", events: WriterEvents | None = None,
+                 remote: Mapping[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.batch_steps = batch_steps
         self.codec = codec
@@ -80,6 +83,11 @@ class BackgroundWriter:
         self._batch: list[Staged[StepRecord]] = []
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth * batch_steps + 2)
         self._lock = threading.Lock()
+        self.mirror: Mirror | None = None
+        """``remote``: the mirror to object storage (rank 0's writer uploads every rank's files)."""
+        if remote is not None and run_dir.shard.index == 0:
+            self.mirror = Mirror(run_dir.path, remote, self.stats, durable_step=durable_step,
+                                 on_progress=self.events.committed)
         self._thread = threading.Thread(target=self._run, name="lowdiff-writer", daemon=True)
         self._thread.start()
 
@@ -169,10 +177,15 @@ class BackgroundWriter:
         return self.durable_step
 
     def close(self) -> None:
+        """Commit everything handed over; then wait for the mirror (up to ``remote.close_timeout_s``)."""
         if self._thread.is_alive():
             self.flush()
             self._queue.put(_CLOSE)
             self._thread.join()
+        if self.mirror is not None:
+            self.mirror.kick(self.durable_step)
+            self.mirror.close()
+            self.mirror = None
 
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -270,6 +283,8 @@ class BackgroundWriter:
         with self.events.writing_segment():
             self._write_segment()
         self.events.committed()
+        if self.mirror is not None:
+            self.mirror.kick(self.durable_step)
 
     def _write_segment(self) -> None:
         if self._broken:
@@ -297,6 +312,8 @@ class BackgroundWriter:
     def _write_snapshot(self, staged: Staged[SnapshotState]) -> None:
         self._commit_snapshot(staged)
         self.events.committed()
+        if self.mirror is not None:
+            self.mirror.kick(self.durable_step)
 
     def _commit_snapshot(self, staged: Staged[SnapshotState]) -> None:
         state = staged.item

@@ -42,6 +42,12 @@ class WriterStats:
     replica written after them covers them."""
     cpu_s: float = 0.0
     """CPU time the writer has used: its thread's, or the whole persistence process's (as of its last report)."""
+    remote_durable_step: int = -1
+    """``remote.url``: the newest step whose files are all uploaded (lowdiff/_persist/mirror.py); -1: none yet."""
+    remote_lag_bytes: int = 0
+    """Bytes of committed files the mirror has still to upload (as of its last pass)."""
+    remote_behind_since: float = 0.0
+    """Wall-clock time (``time.time()``) since which a committed file waits for the mirror; 0: caught up."""
 
 
 @dataclass

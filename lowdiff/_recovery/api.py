@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from lowdiff._storage.format import MANIFEST, decode_value
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
+from lowdiff._storage.remote import fetched, is_url, name_remote, needed
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state
 from lowdiff.errors import (
@@ -107,7 +109,7 @@ class Recovered:
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
             rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS,
-            shard: tuple[int, int] | None = None) -> Recovered:
+            shard: tuple[int, int] | None = None, storage_options: dict[str, Any] | None = None) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
     ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
@@ -123,7 +125,15 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
+
+    ``run_dir`` may be a URL (``s3://bucket/prefix``: a run mirrored with ``remote.url``): the run is fetched into
+    a temporary directory first (``storage_options``: the fsspec filesystem's; credentials and endpoint come from
+    the store's environment) and read there with every check of a local run.
     """
+    if is_url(run_dir):
+        return _recover_remote(str(run_dir), storage_options, step, progress, lambda local: recover(
+            local, step, workers, device=device, optimizer_class=optimizer_class, progress=progress, rank=rank,
+            options=options, shard=shard))
     t_start = time.perf_counter()
     root = Path(run_dir)
     manifest = read_manifest(root)
@@ -187,6 +197,27 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
         if own is not None:
             return _assemble_own(root, manifest, stored, own, shard, result, target, chain, report, device)  # type: ignore[arg-type]
         return _assemble(root, manifest, result, target, chain, report, device, rank)
+
+
+def _recover_remote(url: str, storage_options: dict[str, Any] | None, step: int | None, progress: Any,
+                    recover_at: Callable[[Path], Recovered]) -> Recovered:
+    """Recovery of a remote run: fetch what the step needs when nothing is damaged (lowdiff._storage.remote.needed)
+    and recover from it; where that skipped or refused anything, fetch the whole run and recover from that, so an
+    older snapshot can stand in for a damaged one exactly as on a local disk."""
+    for select in (lambda names: needed(names, step), None):
+        with fetched(url, storage_options, progress=progress is not None, select=select) as local:
+            try:
+                rec = recover_at(local)
+            except LowDiffError as e:
+                if select is not None:
+                    log.info("recovery: %s: %s; fetching the whole run", url, e)
+                    continue
+                name_remote(e, local, url)
+                raise
+            if select is None or not rec.report.skipped:
+                return rec
+            log.info("recovery: %s: a file the step needs is damaged; fetching the whole run", url)
+    raise AssertionError("unreachable")
 
 
 def _screen_contested(root: Path, manifest: Manifest, damaged: set[Path], skipped: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 
 from lowdiff._recovery.api import recover
 from lowdiff._recovery.run_info import inspect
+from lowdiff._storage.remote import is_url
 from lowdiff.errors import LowDiffError
 
 OPTIMIZER_CLASS_HELP = ("MODULE:CLASS of the run's optimizer when it is not one of torch.optim's (imported because "
@@ -44,7 +45,8 @@ def _optimizer_class(spec: str | None) -> type | None:
 
 
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="the run directory (holds manifest.json)")
+    p.add_argument("run_dir", help="the run directory (holds manifest.json), or the URL it is mirrored to "
+                   "(s3://bucket/prefix; endpoint and credentials from the store's environment)")
     p.add_argument("--optimizer-class", default=None, metavar="MODULE:CLASS", help=OPTIMIZER_CLASS_HELP)
     p.add_argument("--step", type=int, default=None, help="step to rebuild (default: latest durable)")
     p.add_argument("--workers", type=int, default=None, help="replay worker processes (default: automatic)")
@@ -68,7 +70,7 @@ def _check_recover_args(args: argparse.Namespace) -> None:
         if not os.access(parent, os.W_OK | os.X_OK):
             raise LowDiffError(f"--output {out}: directory {parent} is not writable")
         run_dir = Path(args.run_dir).resolve()
-        if out.resolve() == run_dir or run_dir in out.resolve().parents:
+        if not is_url(args.run_dir) and out.resolve() == run_dir or run_dir in out.resolve().parents:
             raise LowDiffError(f"--output {out} is inside the run directory {args.run_dir}, where it could replace "
                                "one of the run's files; write it elsewhere")
 

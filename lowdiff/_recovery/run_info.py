@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,7 @@ from lowdiff._storage.format import STOP_DIR, FileSet, list_segments, list_snaps
 from lowdiff._storage.layout import for_files, layouts
 from lowdiff._storage.log_reader import chains
 from lowdiff._storage.manifest import Manifest, read_manifest
+from lowdiff._storage.remote import fetched, is_url, name_remote
 from lowdiff._storage.run_dir import DECISIONS_FILE
 from lowdiff._storage.segment_reader import SegmentReader
 from lowdiff.errors import LowDiffError
@@ -23,7 +25,7 @@ class RunInfo:
     """A summary of a run directory (:func:`inspect`). Step ranges come from file names: ``latest_step`` assumes
     the files are intact (:func:`lowdiff.verify` checks that)."""
 
-    run_dir: Path
+    run_dir: Path | str
     manifest: Manifest
     snapshot_steps: list[int]
     snapshot_bytes: int
@@ -76,12 +78,19 @@ class RunInfo:
         return "\n".join(lines)
 
 
-def inspect(run_dir: str | os.PathLike[str]) -> RunInfo:
+def inspect(run_dir: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> RunInfo:
     """Summarize ``run_dir``: model, optimizer, compressor, snapshots, log, latest recoverable step, tuner
     decisions. Reads the manifest, file names and the newest segment's header only (fast on any size of run).
 
     >>> print(lowdiff.inspect("runs/exp1").summary())   # doctest: +SKIP
     """
+    if is_url(run_dir):  # fetched into a temporary directory and read there (lowdiff._storage.remote)
+        with fetched(str(run_dir), storage_options) as local:
+            try:
+                return dataclasses.replace(inspect(local), run_dir=str(run_dir))
+            except LowDiffError as e:
+                name_remote(e, local, str(run_dir))
+                raise
     root = Path(run_dir)
     manifest = read_manifest(root)
     snaps = list_snapshots(root)

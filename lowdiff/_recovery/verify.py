@@ -21,6 +21,7 @@ from lowdiff._storage.format import DTYPES, STOP_DIR, list_segments, list_snapsh
 from lowdiff._storage.layout import for_files
 from lowdiff._storage.log_reader import chains, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
+from lowdiff._storage.remote import fetched, is_url
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state, read_snapshot
 from lowdiff._storage.stop import read_stop
@@ -29,7 +30,7 @@ from lowdiff.errors import CorruptFileError, FileVanishedError, LowDiffError
 
 @dataclass
 class VerifyReport:
-    run_dir: Path
+    run_dir: Path | str
     files: int = 0
     """Snapshots and segments checked (a sharded one counts once)."""
     problems: list[str] = field(default_factory=list)
@@ -54,12 +55,19 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = None, progress: Any = None
-           ) -> VerifyReport:
+def verify(run_dir: str | os.PathLike[str], *, optimizer_class: type | None = None, progress: Any = None,
+           storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Check every file of ``run_dir`` as recovery would and decode every logged payload. Never writes.
 
     A missing run directory raises :class:`~lowdiff.errors.RunDirNotFoundError`; everything else wrong is a
-    line in ``problems`` (a bad manifest is the only one: nothing else can be checked without it)."""
+    line in ``problems`` (a bad manifest is the only one: nothing else can be checked without it). A URL
+    (``s3://bucket/prefix``) is fetched into a temporary directory and checked there (lowdiff._storage.remote)."""
+    if is_url(run_dir):
+        with fetched(str(run_dir), storage_options, progress=progress is not None) as local:
+            report = verify(local, optimizer_class=optimizer_class, progress=progress)
+        report.problems = [p.replace(str(local), str(run_dir).rstrip("/")) for p in report.problems]
+        report.run_dir = str(run_dir)
+        return report
     root = Path(run_dir)
     report = VerifyReport(run_dir=root)
     try:

@@ -134,6 +134,8 @@ class Run:
         run_dir.wait_for_persistence(leader=self.leader)  # an earlier trainer's persistence processes, committing
         if self.leader:
             run_dir.open()
+            if self.config.remote.url is not None:
+                self._reconcile(run_dir)
         self.coord.barrier("open run directory")  # no rank starts persistence processes before every rank waited
         if run_dir.has_run():
             run_dir.check_compatible(self.spec.manifest)
@@ -152,6 +154,16 @@ class Run:
         self.coord.barrier("manifest")
         checkpointer.start(durable_step=0, shadow=self.make_shadow(state0))
         self.loop.step0 = self.fingerprint()
+
+    def _reconcile(self, run_dir: RunDir) -> None:
+        """With ``remote.url``: an empty run directory (a new machine) gets the remote run; where both hold it, the
+        newer wins (lowdiff._storage.remote.reconcile)."""
+        from lowdiff._storage.remote import Store, reconcile
+
+        rc = self.config.remote
+        assert rc.url is not None
+        both, what = reconcile(run_dir.path, Store(rc.url, rc.storage_options))
+        (log.warning if both else log.info)("lowdiff: %s", what)
 
     def fingerprint(self) -> tuple[Any, ...]:
         """What snapshot 0 holds, cheaply (lowdiff._training.step_zero): this rank's parameters, the optimizer's

@@ -1,6 +1,7 @@
 """One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
 
 argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--auto] [--probe]
+      [--remote URL]
 Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
 With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
 last snapshot step) in force after each step to REF_OUT.rankR.sched. --probe (with --auto): a tiny MTBF, a
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--load-after-wrap", action="store_true",
                     help="after a resume at step 0, set every parameter to 0.1 (weights loaded after wrap())")
     ap.add_argument("--compiled", action="store_true", help="torch.compile(DDP(model)) (eager backend) to lowdiff")
+    ap.add_argument("--remote", default=None, help="remote.url: mirror the run there (tests/remote)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -77,6 +79,8 @@ def main() -> None:
         # Kept referenced: a context manager collected at the end of the statement would restore the disk at once.
         slow_disk = intercept_writes(before_commit=lambda path: time.sleep(0.005))
         slow_disk.__enter__()
+    if args.remote:
+        cfg["remote"] = {"url": args.remote}
     opt = lowdiff.wrap(inner, ddp, cfg)
     start = opt.resume(at=args.resume_at) if args.resume else 0
     if args.load_after_wrap and start == 0:

@@ -1,7 +1,7 @@
 """One rank of a fully_shard (FSDP2) training run under lowdiff, launched by torchrun from test_fsdp.py.
 
 argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--mp]
-      [--ddp | --plain | --gpt] [--refuse WHAT,...]
+      [--ddp | --plain | --gpt] [--refuse WHAT,...] [--persistence thread|process] [--remote URL]
 
 The model has an uneven shard (a Linear with 145 output rows, and a 5-row one: 3 + 2 rows on two ranks, a 1-row
 bias: one rank's shard is empty), a frozen parameter, a BatchNorm and two optimizer groups; the loop clips the
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="neither: the plain model (one rank)")
     ap.add_argument("--gpt", action="store_true", help="examples/tinygpt.py (tied embedding and head), sharded")
     ap.add_argument("--persistence", default="thread", help="log.persistence (thread or process)")
+    ap.add_argument("--remote", default=None, help="remote.url: mirror the run there (tests/remote)")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
@@ -132,6 +133,8 @@ def main() -> None:
         "compressor": {"name": args.compressor, "ratio": 0.1, "rank": 2},
         "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3, "persistence": args.persistence},
     }
+    if args.remote:
+        cfg["remote"] = {"url": args.remote}
     if args.refuse:
         for i, what in enumerate(args.refuse.split(",")):
             refuse(what, cfg | {"run_dir": f"{args.run_dir}-{i}"})

@@ -197,3 +197,18 @@ def test_topk_on_complex_parameters_is_refused_at_wrap(tmp_path: Path) -> None:
         lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
                      {"run_dir": str(tmp_path / "run"), "compressor": {"name": "topk"}})
     assert not (tmp_path / "run").exists()
+
+
+def test_remote_section_is_validated_and_never_recorded() -> None:
+    c = Config.from_dict({"run_dir": "r", "remote": {"url": "s3://bucket/runs/a", "close_timeout_s": 5,
+                                                      "storage_options": {"key": "secret"}}})
+    assert c.remote.url == "s3://bucket/runs/a" and c.remote.close_timeout_s == 5
+    assert "remote" not in c.to_dict()  # manifest.json records to_dict(): no storage option (a secret) goes there
+    assert Config.from_dict({"run_dir": "r"}).remote.url is None
+    for bad, named in [({"url": "bucket/runs"}, "remote.url"), ({"url": "s3://"}, "remote.url"),
+                       ({"url": "s3://key:secret@bucket/a"}, "credentials"), ({"url": 3}, "remote.url"),
+                       ({"storage_options": [1]}, "remote.storage_options"),
+                       ({"close_timeout_s": -1}, "remote.close_timeout_s"), ({"lag_warn_s": 0}, "remote.lag_warn_s"),
+                       ({"bucket": "x"}, "remote.bucket")]:
+        with pytest.raises(ConfigError, match=named):
+            Config.from_dict({"run_dir": "r", "remote": {"url": "s3://b/p", **bad}})

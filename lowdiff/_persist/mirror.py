@@ -1,0 +1,220 @@
+"""The mirror (``remote.url``): a thread beside the writer that uploads every committed file of the run directory
+to object storage, the manifest last (docs/guide/durability.md, docs/reference/design.md).
+
+It runs where the writer runs: in the persistence process (``log.persistence: process``, so it outlives a dead
+trainer and finishes the uploads of what was committed before that process exits) or beside the writer thread;
+never on the training thread. The writer calls :meth:`Mirror.kick` after each commit with its durable step; the
+mirror then makes one *pass*:
+
+1. every committed snapshot, segment and stop file not uploaded yet (or changed), oldest step first;
+2. the manifest, when it changed;
+3. the run's files that are on the remote but no longer local (retention, a resume's quarantine) are deleted: only
+   now, so an old snapshot goes only once the newer one that replaced it is remote-durable.
+
+An object is visible whole or not at all, and readers take only complete sets that the manifest's run and history
+own, so the remote prefix is a consistent run directory at every instant. A pass that ends with every file listed
+at its start uploaded makes the step durable when it started *remote-durable*, once the uploaded names reach it
+(under DDP rank 0's mirror uploads every rank's shards, and waits for a set whose other shards are still being
+committed). A failing or hanging store never
+reaches training: the pass is retried with backoff (0.5 s to 30 s), a warning says once when the lag passes
+``remote.lag_warn_s``, and the next pass uploads whatever is current then. What was uploaded is recorded in
+``RUN_DIR/mirror.json`` (lowdiff._storage.remote), so a restarted mirror uploads only what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lowdiff._persist.writer import WriterStats
+from lowdiff._storage.format import MANIFEST
+from lowdiff._storage.remote import Store, local_files, reach, read_record, step_key, write_record
+from lowdiff.errors import RemoteStoreError
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = (0.5, 30.0)
+"""First and longest wait before a failed pass is retried."""
+INCOMPLETE_WAIT_S = 0.5
+"""How long a pass that found another rank's shard of a file set missing waits before it looks again."""
+
+
+class Mirror:
+    """Uploads ``root`` to ``settings["url"]`` (a ``remote`` config section as a dict) on a thread of its own;
+    ``stats`` gets ``remote_durable_step``, ``remote_lag_bytes`` and ``remote_behind_since``; ``on_progress`` is
+    called after each pass (the persistence process reports its counters then)."""
+
+    def __init__(self, root: Path, settings: Mapping[str, Any], stats: WriterStats, *, durable_step: int = 0,
+                 on_progress: Callable[[], None] = lambda: None) -> None:
+        self.root = Path(root)
+        self.url = str(settings["url"])
+        self.options = dict(settings.get("storage_options") or {})
+        self.close_timeout_s = float(settings.get("close_timeout_s", 60.0))
+        self.lag_warn_s = float(settings.get("lag_warn_s", 300.0))
+        self.stats = stats
+        self.on_progress = on_progress
+        self._cond = threading.Condition()
+        self._wanted = durable_step
+        self._dirty = True  # the first pass uploads what an earlier process left
+        self._done = -1
+        self._stop = False
+        self._dead = False  # a permanent failure (no filesystem for the URL): mirroring is off
+        self._failing: str | None = None
+        self._lag_warned = False
+        self._store: Store | None = None
+        self._remote: set[str] | None = None
+        self._record: dict[str, tuple[int, int]] = {}
+        stats.remote_durable_step = -1
+        stats.remote_behind_since = time.time()
+        self._thread = threading.Thread(target=self._run, name="lowdiff-mirror", daemon=True)
+        self._thread.start()
+
+    @property
+    def remote_durable_step(self) -> int:
+        with self._cond:
+            return self._done
+
+    def kick(self, durable_step: int) -> None:
+        """Files up to ``durable_step`` are committed locally: upload them (returns at once)."""
+        with self._cond:
+            self._wanted = max(self._wanted, durable_step)
+            self._dirty = True
+            if not self.stats.remote_behind_since:
+                self.stats.remote_behind_since = time.time()
+            self._cond.notify_all()
+        self._check_lag()
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Wait up to ``timeout_s`` (default ``remote.close_timeout_s``) for the mirror to upload everything kicked,
+        then stop it; returns the remote-durable step (-1: nothing confirmed)."""
+        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while (self._dirty or self._done < self._wanted) and not self._dead and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            self._stop = True
+            self._cond.notify_all()
+            done = self._done
+        self._thread.join(timeout=1.0)  # one hung in the store stays behind (a daemon thread)
+        return done
+
+    # -- the mirror's thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = BACKOFF_S[0]
+        while True:
+            with self._cond:
+                while not self._dirty and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                self._dirty = False
+                target = self._wanted
+            try:
+                whole = self._pass()
+            except RemoteStoreError as e:
+                if self._store is None:  # the filesystem cannot even be made: retrying cannot help
+                    log.error("lowdiff: the run is not mirrored: %s", e)
+                    with self._cond:
+                        self._dead = True
+                        self._cond.notify_all()
+                    return
+                backoff = self._retry_after(e, backoff)
+                continue
+            except Exception as e:
+                backoff = self._retry_after(e, backoff)
+                continue
+            backoff = BACKOFF_S[0]
+            if self._failing is not None:
+                log.warning("lowdiff: %s answers again; the mirror is catching up", self.url)
+                self._failing = None
+            assert self._remote is not None
+            reached = min(target, reach(self._remote))
+            with self._cond:
+                if not whole:
+                    self._dirty = True  # a file went while uploading (retention): list again at once
+                elif reached < target and not self._stop:
+                    # Under DDP another rank's shard of the newest files is not committed yet: look again shortly.
+                    self._done = max(self._done, reached)
+                    self.stats.remote_durable_step = self._done
+                    self._dirty = True
+                    self._cond.wait(INCOMPLETE_WAIT_S)
+                else:
+                    self._done = max(self._done, target)
+                    self.stats.remote_durable_step = self._done
+                    if self._done >= self._wanted and not self._dirty:
+                        self.stats.remote_behind_since = 0.0
+                        if self._lag_warned:
+                            log.warning("lowdiff: the mirror to %s has caught up (step %d)", self.url, self._done)
+                        self._lag_warned = False
+                self._cond.notify_all()
+            self._check_lag()
+            self.on_progress()
+
+    def _retry_after(self, e: BaseException, backoff: float) -> float:
+        what = f"{type(e).__name__}: {e}"
+        if self._failing is None:
+            log.warning("lowdiff: uploading to %s failed (%s); retrying with backoff, training goes on and the "
+                        "files wait on the local disk", self.url, what)
+        self._failing = what
+        with self._cond:
+            self._dirty = True
+            if not self._stop:
+                self._cond.wait(backoff)
+        self._check_lag()
+        return min(backoff * 2, BACKOFF_S[1])
+
+    def _check_lag(self) -> None:
+        since = self.stats.remote_behind_since
+        if since and not self._lag_warned and time.time() - since > self.lag_warn_s:
+            self._lag_warned = True
+            log.warning("lowdiff: the mirror to %s is %.0f s behind (remote-durable step %d, local %d); a loss of "
+                        "this machine now loses the steps after %d%s", self.url, time.time() - since, self._done,
+                        self._wanted, self._done, f" (last error: {self._failing})" if self._failing else "")
+
+    def _pass(self) -> bool:
+        """One pass (the module's docstring); False when a listed file vanished before its upload."""
+        if self._store is None:
+            self._store = Store(self.url, self.options)
+        store = self._store
+        if self._remote is None:
+            self._remote = set(store.list())
+            self._record = {n: v for n, v in read_record(self.root, self.url).items() if n in self._remote}
+        local = local_files(self.root)
+        todo = sorted((n for n in local if n != MANIFEST and self._record.get(n) != local[n]), key=step_key)
+        self.stats.remote_lag_bytes = sum(local[n][0] for n in todo)
+        whole = True
+        for name in todo:
+            try:
+                store.put(self.root / name, name)
+            except FileNotFoundError:
+                if (self.root / name).exists():
+                    raise
+                whole = False  # deleted by retention since the listing
+                continue
+            self._uploaded(name, local[name])
+            self.stats.remote_lag_bytes -= local[name][0]
+        if not whole:
+            return False
+        if MANIFEST in local and self._record.get(MANIFEST) != local[MANIFEST]:
+            store.put(self.root / MANIFEST, MANIFEST)
+            self._uploaded(MANIFEST, local[MANIFEST])
+        for name in sorted(self._remote - set(local), key=step_key):
+            if name == MANIFEST:
+                continue
+            store.rm(name)
+            self._remote.discard(name)
+            self._record.pop(name, None)
+        write_record(self.root, self.url, self._record)
+        return True
+
+    def _uploaded(self, name: str, stat: tuple[int, int]) -> None:
+        assert self._remote is not None
+        self._remote.add(name)
+        self._record[name] = stat

@@ -1,0 +1,351 @@
+"""The remote tier against a real S3 server (tests/remote/conftest.py): a run mirrored to a bucket is recovered, and
+resumed, from the bucket alone, exactly."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from lowdiff_harness import Scenario, assert_state_equal, start, train_run
+
+import lowdiff
+
+STEPS = 20
+BASE = Scenario(model="mlp_bn", optimizer="adamw", groups=2, scheduler=True, compressor="topk", ratio=0.25,
+                batch_steps=3, every_steps=7, seed=3)
+
+
+def wait_remote_durable(opt: lowdiff.LowDiffOptimizer, timeout_s: float = 60.0) -> lowdiff.CheckpointStats:
+    """Poll ``opt.stats`` until the mirror has caught up with the local durable step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = opt.stats
+        if st.remote_durable_step == st.durable_step and st.remote_lag_steps == 0:
+            return st
+        assert time.monotonic() < deadline, f"the mirror did not catch up: {st}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Uninterrupted runs without a remote, per compressor."""
+    return {c: train_run(replace(BASE, compressor=c), tmp_path_factory.mktemp(f"ref-{c}") / "run", STEPS)
+            for c in ("topk", "none")}
+
+
+@pytest.mark.parametrize("compressor,persistence", [("topk", "process"), ("none", "thread")])
+def test_recover_from_the_bucket_alone(tmp_path: Path, s3, reference, compressor: str, persistence: str,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    url = f"s3://{s3.new_bucket()}/runs/a"
+    scenario = replace(BASE, compressor=compressor, persistence=persistence, remote_url=url)
+    t = train_run(scenario, tmp_path / "run", STEPS, close=False)
+    t.opt.flush()
+    st = wait_remote_durable(t.opt)
+    assert st.remote_durable_step == STEPS and st.remote_lag_bytes == 0 and st.remote_lag_s == 0.0
+    t.opt.close()
+    shutil.rmtree(tmp_path / "run")  # the machine is lost
+
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lowdiff")
+    rec = lowdiff.recover(url)
+    assert rec.step == STEPS
+    assert_state_equal(*reference[compressor].refs[STEPS], rec)
+    # Only what step 20 needs came down: the snapshot of step 14 and the log after it, not snapshots 0 and 7.
+    fetches = [r.getMessage() for r in caplog.records if "fetched" in r.getMessage()]
+    in_bucket = len(s3.fs().find(url[len("s3://"):]))
+    assert len(fetches) == 1, fetches
+    assert int(fetches[0].split("fetched ")[1].split()[0]) < in_bucket - 2, (in_bucket, fetches)
+    older = lowdiff.recover(url, step=STEPS - 5)
+    assert_state_equal(*reference[compressor].refs[STEPS - 5], older)
+    assert lowdiff.verify(url).ok
+    assert f"{STEPS}" in lowdiff.inspect(url).summary()
+
+    out = tmp_path / "state.pt"
+    cli = shutil.which("lowdiff-recover")
+    cmd = [cli] if cli else [sys.executable, "-c", "import sys, lowdiff._recovery.cli as c; sys.exit(c.recover_main())"]
+    done = subprocess.run([*cmd, url, "--output", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import torch
+
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == STEPS
+    assert_state_equal(*reference[compressor].refs[STEPS], SimpleNamespace(**saved))
+
+
+def test_resume_on_a_new_machine(tmp_path: Path, s3, reference) -> None:
+    """A clean stop at step 12, the machine lost: a new machine with an empty run directory pulls the run and
+    continues exactly (Top-k: the compressor's memory of the clean stop went up too)."""
+    url = f"s3://{s3.new_bucket()}/run"
+    scenario = replace(BASE, persistence="process", remote_url=url)
+    train_run(scenario, tmp_path / "old", 12)
+    shutil.rmtree(tmp_path / "old")
+
+    t = start(scenario, tmp_path / "new", resume=False)
+    k = t.opt.resume()
+    assert k == 12
+    t.train(13, STEPS)
+    assert_state_equal(*reference["topk"].ends[STEPS], SimpleNamespace(model=t.model.state_dict(),
+                                                                      optimizer=t.inner.state_dict()))
+    t.opt.close()
+    shutil.rmtree(tmp_path / "new")
+    assert_state_equal(*reference["topk"].refs[STEPS], lowdiff.recover(url))
+
+
+KILL_SCENARIO = replace(BASE, scheduler=False, persistence="process", batch_steps=4, every_steps=6)
+"""No object tracked at the end of an iteration: the iteration in progress at the kill is kept too."""
+KILL_CHILD = Path(__file__).parents[1] / "integration" / "kill9_child.py"
+
+
+def _latest_in_bucket(url: str) -> int:
+    try:
+        return lowdiff.inspect(url).latest_step or -1
+    except lowdiff.LowDiffError:
+        return -1
+
+
+def test_trainer_sigkilled_then_machine_lost(tmp_path: Path, s3) -> None:
+    """SIGKILL of the trainer at step 15: its persistence process commits what it holds and uploads it before it
+    exits; then the local disk goes. The bucket alone gives back every step whose opt.step() returned, exactly."""
+    import json
+    import os
+    import signal
+
+    reference = train_run(KILL_SCENARIO, tmp_path / "ref", 40)
+    url = f"s3://{s3.new_bucket()}/killed"
+    scenario = replace(KILL_SCENARIO, remote_url=url)
+    proc = subprocess.Popen([sys.executable, str(KILL_CHILD), str(tmp_path / "run"), json.dumps(scenario.to_dict()),
+                             "40"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen = 0
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("START"):
+                continue
+            if line.strip() == "DONE":
+                break
+            seen = int(line.split()[0])
+            if seen >= 15:
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert seen >= 15
+    deadline = time.monotonic() + 120
+    while _latest_in_bucket(url) < seen:
+        assert time.monotonic() < deadline, f"the bucket never reached step {seen} ({_latest_in_bucket(url)})"
+        time.sleep(0.5)
+    time.sleep(1.0)  # the persistence process's last pass (the manifest is unchanged; nothing else goes up)
+    shutil.rmtree(tmp_path / "run")  # the machine is lost
+    rec = lowdiff.recover(url)
+    assert rec.step >= seen
+    assert_state_equal(*reference.refs[rec.step], rec)
+
+
+def test_server_frozen_then_resumed(tmp_path: Path, s3_env, reference, caplog: pytest.LogCaptureFixture) -> None:
+    """The S3 server stopped with SIGSTOP for 12 s mid-run: training goes on at its pace, the lag is reported and
+    warned about, and once the server runs again the mirror catches up; the bucket then recovers exactly."""
+    import logging
+    import os
+    import signal
+
+    from s3server import start_server, stop_server
+
+    server = start_server()  # a server of this test's own: stopping the session's would stall the other tests
+    before = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    try:
+        url = f"s3://{server.new_bucket()}/frozen"
+        t = start(replace(BASE, persistence="thread", remote_url=url), tmp_path / "run")
+        t.train(1, 5)
+        t.opt.flush()
+        wait_remote_durable(t.opt)
+        caplog.set_level(logging.WARNING, logger="lowdiff")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        try:
+            step_s = []
+            for k in range(6, STEPS + 1):
+                t0 = time.perf_counter()
+                t.step(k)
+                step_s.append(time.perf_counter() - t0)
+                time.sleep(0.5)
+            while time.monotonic() - frozen_at < 12:
+                time.sleep(0.2)
+            t.opt.flush()
+            st = t.opt.stats
+            assert st.durable_step == STEPS and st.remote_durable_step < STEPS
+            assert st.remote_lag_steps > 0 and st.remote_lag_s > 5
+            assert max(step_s) < 5, f"a training step waited for the store: {max(step_s):.1f} s"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert any("behind" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        st = wait_remote_durable(t.opt, timeout_s=180)
+        assert st.remote_durable_step == STEPS
+        t.opt.close()
+        shutil.rmtree(tmp_path / "run")
+        assert_state_equal(*reference["topk"].refs[STEPS], lowdiff.recover(url))
+    finally:
+        if before is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = before
+        stop_server(server)
+
+
+@pytest.fixture
+def mirrored(tmp_path: Path, s3) -> tuple[str, str]:
+    """A closed 20-step Top-k run in a fresh bucket, its local directory gone: (url, bucket path)."""
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/run"
+    train_run(replace(BASE, persistence="thread", remote_url=url), tmp_path / "run", STEPS)
+    shutil.rmtree(tmp_path / "run")
+    return url, f"{bucket}/run"
+
+
+def test_foreign_and_garbage_objects_are_stepped_around(s3, mirrored, reference) -> None:
+    url, prefix = mirrored
+    fs = s3.fs()
+    fs.pipe(f"{prefix}/log/steps-0000000021-0000000024.h5", b"\x89HDF\r\n\x1a\n" + bytes(5000))  # not a segment
+    fs.pipe(f"{prefix}/notes.txt", b"someone else's object")
+    fs.pipe(f"{prefix}/snapshots/step-0000000099.h5.tmp", b"half an upload")
+    rec = lowdiff.recover(url)
+    assert rec.step == STEPS and rec.report.skipped
+    assert_state_equal(*reference["topk"].refs[STEPS], rec)
+    report = lowdiff.verify(url)
+    assert not report.ok and any(url in p for p in report.problems), report.problems
+
+
+def test_a_truncated_object_falls_back_to_an_older_step(s3, mirrored, reference) -> None:
+    url, prefix = mirrored
+    fs = s3.fs()
+    newest = max(fs.find(f"{prefix}/log"))
+    whole = fs.cat(newest)
+    fs.pipe(newest, whole[: len(whole) // 2])
+    rec = lowdiff.recover(url)
+    assert rec.step < STEPS
+    assert_state_equal(*reference["topk"].refs[rec.step], rec)
+    assert not lowdiff.verify(url).ok
+
+
+def test_another_runs_manifest_is_refused(tmp_path: Path, s3, mirrored) -> None:
+    url, prefix = mirrored
+    other = f"s3://{s3.new_bucket()}/other"
+    train_run(replace(BASE, persistence="thread", remote_url=other, seed=11), tmp_path / "other", 4)
+    fs = s3.fs()
+    fs.pipe(f"{prefix}/manifest.json", fs.cat(f"{other[len('s3://'):]}/manifest.json"))
+    with pytest.raises(lowdiff.LowDiffError) as e:
+        lowdiff.recover(url)
+    assert url in str(e.value) or "run" in str(e.value)
+    # A trainer whose local run directory holds a run of its own refuses a prefix that holds another run.
+    train_run(replace(BASE, persistence="thread"), tmp_path / "mine", 3)
+    with pytest.raises(lowdiff.RemoteStoreError, match="another run"):
+        start(replace(BASE, persistence="thread", remote_url=other), tmp_path / "mine").opt.close()
+
+
+def test_an_empty_prefix_is_no_run(s3) -> None:
+    with pytest.raises(lowdiff.RemoteStoreError, match="holds no lowdiff run"):
+        lowdiff.recover(f"s3://{s3.new_bucket()}/nothing")
+
+
+def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
+    """snapshot.keep: 2: the bucket ends with exactly the local run's files (old snapshots and their log deleted
+    there too, each after the newer snapshot went up). Credentials given in remote.storage_options are used and
+    written nowhere: not in the run directory, not in the bucket."""
+    import lowdiff_harness
+
+    url = f"s3://{s3.new_bucket()}/kept"
+    scenario = replace(BASE, persistence="process", remote_url=url)
+    model = lowdiff_harness.make_model(scenario.model, scenario.seed)
+    inner = lowdiff_harness.make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
+    config = scenario.config(tmp_path / "run")
+    config["snapshot"]["keep"] = 2
+    secret = "SECRET-MARKER-5f2c"
+    config["remote"]["storage_options"] = {"key": "lowdiff-test", "secret": secret}
+    opt = lowdiff.wrap(inner, model, config)
+    t = lowdiff_harness.Trainer(scenario, model, inner, opt, None)
+    t.train(1, 30)
+    opt.close()
+    local = {str(p.relative_to(tmp_path / "run")) for sub in ("snapshots", "log", "stops")
+             for p in (tmp_path / "run" / sub).iterdir()} | {"manifest.json"}
+    prefix = url[len("s3://"):]
+    remote = {p[len(prefix) + 1:] for p in s3.fs().find(prefix)}
+    assert remote == local
+    assert len([n for n in remote if n.startswith("snapshots/")]) == 2
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not [n for n in s3.fs().find(prefix) if secret.encode() in s3.fs().cat(n)]
+    assert_state_equal(*t.refs[30], lowdiff.recover(url))
+
+
+def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """A machine comes back with a stale copy of the run (step 6) while the bucket holds step 14: the bucket's run
+    is pulled (the stale files moved to quarantine/) and said so; a local run at least as new is kept."""
+    import logging
+
+    url = f"s3://{s3.new_bucket()}/run"
+    scenario = replace(BASE, persistence="thread", remote_url=url)
+    train_run(scenario, tmp_path / "a", 6)
+    shutil.copytree(tmp_path / "a", tmp_path / "stale")
+    t = start(scenario, tmp_path / "a")
+    t.train(7, 14)
+    t.opt.close()
+
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    t2 = start(scenario, tmp_path / "stale", resume=False)
+    assert t2.opt.resume() == 14
+    t2.opt.close()
+    said = [r.getMessage() for r in caplog.records if "is newer than" in r.getMessage()]
+    assert said and "quarantine" in said[0], [r.getMessage() for r in caplog.records]
+    assert list((tmp_path / "stale" / "quarantine").rglob("*.h5"))
+
+    caplog.clear()
+    t3 = start(scenario, tmp_path / "a", resume=False)  # as new as the bucket: the local run is used
+    assert t3.opt.resume() == 14
+    t3.opt.close()
+    assert any("at least as new as" in r.getMessage() for r in caplog.records)
+
+
+def test_close_names_the_steps_not_in_the_bucket(tmp_path: Path, s3_env, caplog: pytest.LogCaptureFixture) -> None:
+    """The store goes away for good: training goes on, and close() (after remote.close_timeout_s) names the steps
+    that are only on the local disk."""
+    import logging
+    import os
+
+    from s3server import start_server, stop_server
+
+    server = start_server()
+    before = os.environ.get("AWS_ENDPOINT_URL")
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    try:
+        url = f"s3://{server.new_bucket()}/gone"
+        t = start(replace(BASE, persistence="thread", remote_url=url, remote_close_timeout_s=2.0), tmp_path / "run")
+        t.train(1, 5)
+        t.opt.flush()
+        wait_remote_durable(t.opt)
+        stop_server(server)
+        caplog.set_level(logging.WARNING, logger="lowdiff")
+        t.train(6, 10)
+        t0 = time.monotonic()
+        t.opt.close()
+        assert time.monotonic() - t0 < 30
+        said = [r.getMessage() for r in caplog.records if "not remote-durable" in r.getMessage()]
+        assert said and "to 10 are not remote-durable" in said[0], [r.getMessage() for r in caplog.records]
+        assert lowdiff.recover(tmp_path / "run").step == 10  # on the local disk, whole
+    finally:
+        if before is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = before
+        if server.proc.poll() is None:
+            stop_server(server)

@@ -1,0 +1,43 @@
+"""Which names the mirror carries, what a recovery fetches, and the step a set of uploaded names reaches
+(lowdiff._storage.remote): by names alone, as the remote tier judges them."""
+
+from __future__ import annotations
+
+from lowdiff._storage.remote import is_mirrored, is_url, needed, reach
+
+
+def snap(s: int, shard: str = "") -> str:
+    return f"snapshots/step-{s:010d}{shard}.h5"
+
+
+def seg(a: int, b: int, shard: str = "") -> str:
+    return f"log/steps-{a:010d}-{b:010d}{shard}.h5"
+
+
+def test_only_the_runs_committed_files_are_mirrored() -> None:
+    assert is_mirrored("manifest.json") and is_mirrored(snap(7)) and is_mirrored(seg(1, 3))
+    assert is_mirrored("stops/step-0000000012.h5")
+    for other in ("writer.lock", "persist-00000.lock", "tuner.json", "mirror.json", snap(7) + ".tmp",
+                  "quarantine/" + snap(7)[10:], "log/../manifest.json", "snapshots/x/" + snap(7)[10:],
+                  "log/" + snap(7)[10:], "notes.txt"):
+        assert not is_mirrored(other), other
+    assert is_url("s3://b/p") and is_url("file:///tmp/x") and not is_url("/tmp/x") and not is_url("runs/a")
+
+
+def test_reach_needs_complete_sets_and_a_contiguous_log() -> None:
+    assert reach([seg(1, 3)]) == -1
+    assert reach([snap(0), seg(1, 3), seg(4, 6), seg(8, 9)]) == 6
+    assert reach([snap(0), seg(1, 3), snap(7), seg(6, 9)]) == 9  # a segment across the snapshot
+    two = ".shard-{:05d}-of-00002"
+    names = [snap(0, two.format(0)), snap(0, two.format(1)), seg(1, 3, two.format(0)), seg(1, 3, two.format(1)),
+             seg(4, 6, two.format(0))]
+    assert reach(names) == 3  # rank 1's shard of steps 4-6 is not up yet
+    assert reach(names + [seg(4, 6, two.format(1))]) == 6
+
+
+def test_needed_is_the_newest_snapshot_at_or_before_the_step_and_what_follows() -> None:
+    names = [snap(0), snap(7), snap(14), seg(1, 3), seg(4, 7), seg(8, 10), seg(11, 14), seg(15, 16),
+             "stops/step-0000000016.h5", "stops/step-0000000005.h5"]
+    assert needed(names, None) == {snap(14), seg(15, 16), "stops/step-0000000016.h5"}
+    assert needed(names, 9) == {snap(7), seg(8, 10), seg(11, 14), seg(15, 16), "stops/step-0000000016.h5"}
+    assert needed([seg(1, 3)], None) == {seg(1, 3)}  # no snapshot: everything, and the readers say what is wrong
