@@ -6,8 +6,7 @@ thread copies the record's tensors into a slot of a shared ring (:mod:`lowdiff._
 per dtype) and sends a small message over a Unix socket; encoding, checksums, HDF5 writes, fsyncs, retention and the
 shadow replica run in the other process. A record is handed over when ``opt.step()`` returns (:meth:`submit_early`;
 on a GPU once its copies are seen complete), before its iteration ends; the end of the iteration follows as a seal
-message (:meth:`submit_record`). When the training process dies, the persistence process commits what it holds and
-exits (docs/guide/durability.md).
+message (:meth:`submit_record`). A dead trainer's persistence process commits what it holds, then exits.
 
 Back-pressure: at most ``(queue_depth + 1) x batch_steps + 2`` records are in flight (sent, not yet committed), and no
 more than the ring holds; beyond that the step waits (``stats.blocked_s``). Failures come back as messages."""
