@@ -277,6 +277,8 @@ def main() -> int:
                 got = tuple(got)
             compare(f"optimizer.param_groups[{gi}][{k}]", want, got, problems)
 
+    # Counted again: the persistence process may still have been committing the last steps when the first count ran.
+    n_seg, log_steps, log_bytes = log_size(run_dir)
     # The newest snapshot is a full one (step 0's holds no optimizer state or residuals yet).
     snap_bytes = snaps[-1].stat().st_size if snaps else 0
     snap_step = int(snaps[-1].stem.split("-")[1]) if snaps else 0
