@@ -71,7 +71,8 @@ def main() -> None:
         "snapshot": {"every_steps": 5}, "log": {"batch_steps": 3, "persistence": args.persistence},
     }
     if args.auto:  # a high failure rate and a loose bound: the tuner picks small, frequently re-tuned values
-        cfg.update({"snapshot": {"every_steps": "auto"}, "log": {"batch_steps": "auto"},
+        cfg.update({"snapshot": {"every_steps": "auto"},
+                    "log": {"batch_steps": "auto", "persistence": args.persistence},  # intercept_writes: the thread
                     "tuner": {"mtbf_hours": 0.01, "max_overhead": 0.5}})
     if args.probe:
         cfg["tuner"] = {"mtbf_hours": 0.001, "max_overhead": 0.02}
