@@ -33,7 +33,8 @@ def _check_type(key: str, value: Any, kind: type | tuple[type, ...], allowed: st
     # bool is an int subclass; a YAML `true` must not pass for a count, nor 1 for a flag.
     ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
     if not ok:
-        raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r} ({type(value).__name__})")
+        shown = "a value not shown" if "storage_options" in key else repr(value)  # may hold credentials
+        raise ConfigError(f"config key '{key}' must be {allowed}, got {shown} ({type(value).__name__})")
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
@@ -198,7 +199,7 @@ class RemoteConfig:
     """An fsspec URL: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///mnt/nfs/runs/a``; None: no mirror.
     Endpoint and credentials come from the store's standard sources (for S3: ``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``), never from here."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Keyword arguments of the fsspec filesystem (e.g. ``{"config_kwargs": {"read_timeout": 60}}`` for s3fs).
     Never written into the run directory or a log line."""
     close_timeout_s: float = 60.0

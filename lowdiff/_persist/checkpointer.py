@@ -20,6 +20,7 @@ from lowdiff._persist.coordinator import Coordinator
 from lowdiff._persist.snapshot_policy import FixedInterval, SnapshotPolicy
 from lowdiff._persist.thread_writer import BackgroundWriter
 from lowdiff._persist.writer import Writer, WriterStats
+from lowdiff._storage.format import STOP_DIR, Shard, snapshot_name
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -310,10 +311,24 @@ class Checkpointer:
         finally:
             self.run_dir.release()
 
+    def _wait_for_sibling_stops(self, durable: int) -> None:
+        """Under torch.distributed each rank writes its shard of a clean stop's file in its own ``close()``: rank 0
+        uploads the set only once every shard is there (up to ``remote.close_timeout_s``), else a recovery from the
+        bucket would find the set incomplete and restart the compressors' memory."""
+        shard = self.run_dir.shard
+        stops = self.run_dir.path / STOP_DIR
+        if shard.count < 2 or not (stops / snapshot_name(durable, shard)).exists():
+            return
+        names = [snapshot_name(durable, Shard(i, shard.count)) for i in range(shard.count)]
+        deadline = time.monotonic() + float(self.remote["close_timeout_s"]) if self.remote else 0.0
+        while not all((stops / n).exists() for n in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _last_upload(self, durable: int) -> None:
         """After the writer's mirror: what this process committed after the writer closed (a clean stop's stop
         file; lowdiff._training.opening), then say which steps are not remote-durable."""
         assert self.remote is not None
+        self._wait_for_sibling_stops(durable)
         remote = self.writer_stats.remote_durable_step
         if remote >= durable:
             from lowdiff._persist.mirror import Mirror

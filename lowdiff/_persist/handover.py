@@ -57,7 +57,11 @@ class CopyingRecord:
             elif not block:
                 return
         end, self._record, self._end = self._end, None, None
-        self._hand_over(record, self._keep)
+        try:
+            self._hand_over(record, self._keep)
+        except BaseException:  # a KeyboardInterrupt inside the send: the record stays held, handed over later
+            self._record, self._end = record, end
+            raise
         if end is not None:
             self._end_known(record, *end)
 

@@ -32,7 +32,8 @@ from typing import Any
 
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import MANIFEST
-from lowdiff._storage.remote import Store, local_files, reach, read_record, step_key, write_record
+from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.remote import Store, fetched_manifest, local_files, reach, read_record, step_key, write_record
 from lowdiff.errors import RemoteStoreError
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Mirror:
         self._done = -1
         self._stop = False
         self._dead = False  # a permanent failure (no filesystem for the URL): mirroring is off
+        self._foreign = False  # the prefix holds another run's manifest: never written to
         self._failing: str | None = None
         self._lag_warned = False
         self._store: Store | None = None
@@ -119,7 +121,7 @@ class Mirror:
             try:
                 whole = self._pass()
             except RemoteStoreError as e:
-                if self._store is None:  # the filesystem cannot even be made: retrying cannot help
+                if self._store is None or self._foreign:  # no filesystem, or another run's: retrying cannot help
                     log.error("lowdiff: the run is not mirrored: %s", e)
                     with self._cond:
                         self._dead = True
@@ -184,7 +186,10 @@ class Mirror:
             self._store = Store(self.url, self.options)
         store = self._store
         if self._remote is None:
-            self._remote = set(store.list())
+            remote = set(store.list())
+            if MANIFEST in remote:
+                self._check_same_run(store)
+            self._remote = remote
             self._record = {n: v for n, v in read_record(self.root, self.url).items() if n in self._remote}
         local = local_files(self.root)
         todo = sorted((n for n in local if n != MANIFEST and self._record.get(n) != local[n]), key=step_key)
@@ -205,7 +210,8 @@ class Mirror:
         if MANIFEST in local and self._record.get(MANIFEST) != local[MANIFEST]:
             store.put(self.root / MANIFEST, MANIFEST)
             self._uploaded(MANIFEST, local[MANIFEST])
-        for name in sorted(self._remote - set(local), key=step_key):
+        # Only what this run directory put there (or pulled from there): never a name it does not know
+        for name in sorted((self._remote & set(self._record)) - set(local), key=step_key):
             if name == MANIFEST:
                 continue
             store.rm(name)
@@ -213,6 +219,17 @@ class Mirror:
             self._record.pop(name, None)
         write_record(self.root, self.url, self._record)
         return True
+
+    def _check_same_run(self, store: Store) -> None:
+        """Before the first upload: a prefix holding another run's manifest is never written to (the open checks
+        it too, but a store that could not be listed then was not)."""
+        with fetched_manifest(store) as there:
+            theirs = read_manifest(there).run_id
+        ours = read_manifest(self.root).run_id
+        if theirs != ours:
+            self._foreign = True
+            raise RemoteStoreError(f"{self.url} holds another run (run id {theirs}) than {self.root} (run id "
+                                   f"{ours}): nothing is uploaded there; point remote.url at this run's prefix")
 
     def _uploaded(self, name: str, stat: tuple[int, int]) -> None:
         assert self._remote is not None

@@ -70,7 +70,7 @@ def _check_recover_args(args: argparse.Namespace) -> None:
         if not os.access(parent, os.W_OK | os.X_OK):
             raise LowDiffError(f"--output {out}: directory {parent} is not writable")
         run_dir = Path(args.run_dir).resolve()
-        if not is_url(args.run_dir) and out.resolve() == run_dir or run_dir in out.resolve().parents:
+        if not is_url(args.run_dir) and (out.resolve() == run_dir or run_dir in out.resolve().parents):
             raise LowDiffError(f"--output {out} is inside the run directory {args.run_dir}, where it could replace "
                                "one of the run's files; write it elsewhere")
 

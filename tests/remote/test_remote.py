@@ -288,6 +288,22 @@ def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
     assert_state_equal(*t.refs[30], lowdiff.recover(url))
 
 
+def test_the_mirror_deletes_only_what_it_put_there(tmp_path: Path, s3) -> None:
+    """An object under the prefix that this run directory never uploaded (another tool's, an earlier run's log
+    named like this one's) is left alone; the run's own files still arrive and recover exactly."""
+    url = f"s3://{s3.new_bucket()}/shared"
+    prefix = url[len("s3://"):]
+    stranger = f"{prefix}/log/steps-0000009000-0000009001.h5"
+    s3.fs().pipe(stranger, b"not lowdiff's")
+    scenario = replace(BASE, persistence="process", remote_url=url)
+    t = train_run(scenario, tmp_path / "run", 8, close=False)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    assert s3.fs().cat(stranger) == b"not lowdiff's"
+    assert_state_equal(*t.refs[8], lowdiff.recover(url))
+
+
 def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
     """A machine comes back with a stale copy of the run (step 6) while the bucket holds step 14: the bucket's run
     is pulled (the stale files moved to quarantine/) and said so; a local run at least as new is kept."""
