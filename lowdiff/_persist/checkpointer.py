@@ -205,6 +205,12 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.submit_early(record, keep_if_orphaned)
 
+    @property
+    def wants_end_known(self) -> bool:
+        """Whether :meth:`on_end_known` is worth its cost: the persistence process holds records before their
+        iteration ends; the writer thread does not (reading a GradScaler's state is a device sync)."""
+        return self._writer is not None and not isinstance(self._writer, BackgroundWriter)
+
     def on_end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
                      ) -> None:
         """The end state of the held ``record``'s iteration is known (its tracked objects' end calls have run),

@@ -167,7 +167,7 @@ class IterationEnd:
         formally ends (at the next ``opt.step()``): it goes to the persistence process, which then commits the
         iteration even if the trainer dies first (a crash loses no step whose ``opt.step()`` returned)."""
         p = self.pending
-        if p is None:
+        if p is None or not self.checkpointer.wants_end_known:  # the writer thread takes records at their end only
             return
         self._called.add(id(obj))
         at_end = [(n, o) for n, (o, kind) in self.tracker.objects.items() if kind == AT_END]
