@@ -116,8 +116,9 @@ def test_records_the_slow_writer_holds_do_not_pin_the_ring(tmp_path: Path) -> No
             model(torch.full((4, 512), float(k % 7))).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        st = opt.stats
         opt.close()
+        st = opt.stats  # after close: the persistence process's last counters have arrived (a reading before may not
+        # have them yet: steps_skipped still 0 when training ran ahead of the counters' messages)
     finally:
         faulthandler.cancel_dump_traceback_later()
     assert st is not None and st.blocked_s < 0.5 and st.steps_skipped > 0, st
