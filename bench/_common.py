@@ -119,7 +119,8 @@ def peak_rss_bytes() -> int:
     return maxrss_bytes()
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (every thread's), from /proc."""
     out: list[int] = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -130,15 +131,20 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _pss_bytes(pid: int) -> int:
+def proc_kib_bytes(pid: int, file: str, key: str) -> int:
+    """``key:`` of /proc/PID/``file`` (a kB figure: ``status`` VmHWM, ``smaps_rollup`` Pss) in bytes; 0 if gone."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/{file}") as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _pss_bytes(pid: int) -> int:
+    return proc_kib_bytes(pid, "smaps_rollup", "Pss")
 
 
 def pss_tree_bytes(pid: int) -> int:
@@ -150,7 +156,7 @@ def pss_tree_bytes(pid: int) -> int:
             continue
         seen.add(p)
         total += _pss_bytes(p)
-        todo += _children(p)
+        todo += children(p)
     return total
 
 

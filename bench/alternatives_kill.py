@@ -89,36 +89,16 @@ def resume_probe(name: str, work: str, size: str, every: int) -> None:
         opt.close()
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def _tree(pid: int) -> list[int]:
+    from _common import children
+
     todo, seen = [pid], []
     while todo:
         p = todo.pop()
         if p not in seen:
             seen.append(p)
-            todo += _children(p)
+            todo += children(p)
     return seen
-
-
-def _hwm(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _gone(pid: int) -> bool:
@@ -157,8 +137,10 @@ def one_trial(script: Path, name: str, work: Path, size: str, every: int, period
         now = time.perf_counter()
         step_s, t_prev = now - t_prev, now
     time.sleep(frac * step_s)
+    from _common import proc_kib_bytes
+
     tree = _tree(proc.pid)
-    hwm = {pid: _hwm(pid) for pid in tree}
+    hwm = {pid: proc_kib_bytes(pid, "status", "VmHWM") for pid in tree}
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     rest = proc.stdout.read().split()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from _common import dir_bytes
 from overhead_lowdiff import LowDiffMode
-from overhead_modes import CheckFreqMode, Ctx, DCPMode, IntervalMode, Mode, TorchSaveMode, train_step
+from overhead_modes import CheckFreqMode, Ctx, DCPMode, IntervalMode, Mode, TorchSaveMode
 
 COMPRESSORS = ("topk", "powersgd", "none")
 PERSISTENCE = ("thread", "process")
@@ -130,14 +130,8 @@ class DCPProcessMode(_DCPBase):
 
         return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
 
-    def step(self, batch: Any) -> bool:
-        train_step(self.ctx.settings, self.ctx.model, _StagingWaitOpt(self), batch)
-        event = self.counter % self.interval == 0
-        self.counter += 1
-        if event:
-            self.checkpoint()
-            self.saves += 1
-        return event
+    def optimizer(self) -> Any:
+        return _StagingWaitOpt(self)
 
     def close(self) -> None:
         self._wait()

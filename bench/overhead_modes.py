@@ -161,8 +161,12 @@ class IntervalMode(Mode):
         self.end_window()
         self.counter = 0
 
+    def optimizer(self) -> Any:
+        """What the training step steps (the shared AdamW; a subclass may put a wrapper around it)."""
+        return self.ctx.inner
+
     def step(self, batch: Any) -> bool:
-        train_step(self.ctx.settings, self.ctx.model, self.ctx.inner, batch)
+        train_step(self.ctx.settings, self.ctx.model, self.optimizer(), batch)
         event = self.counter % self.interval == 0
         self.counter += 1
         if event:
