@@ -10,7 +10,8 @@ import zlib
 
 import torch
 
-from lowdiff._compressors.base import Comm, Compressor, Payload, check_residual
+from lowdiff._compressors.base import Comm, Compressor, Payload, StepPayloads, check_residual
+from lowdiff._compressors.step_buffers import StepBuffers
 from lowdiff.errors import CorruptFileError
 
 
@@ -50,6 +51,13 @@ class PowerSGDCompressor(Compressor):
         self._residual: dict[str, torch.Tensor] = {}
         self._q: dict[str, torch.Tensor] = {}
         self._q0: dict[str, torch.Tensor] = {}
+        self._step = StepBuffers()
+
+    def begin_step(self) -> None:
+        self._step.begin()
+
+    def end_step(self) -> StepPayloads | None:
+        return self._step.end()
 
     def initial_q(self, fqn: str, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         # Seeded by the parameter name so every rank (and a resumed run) starts from the same Q.
@@ -78,7 +86,16 @@ class PowerSGDCompressor(Compressor):
                   want_decoded: bool) -> tuple[Payload, torch.Tensor | None]:
         world = 1 if comm is None else comm.world_size
         dims = factor_shapes(grad.shape, self.rank)
+        # Single-process inside begin_step/end_step: P, Q and the tensors sent whole go into the step's reused flat
+        # buffers (StepBuffers), P then Q per parameter; the same bits as fresh tensors.
+        step = self._step if self._step.active and world == 1 else None
         if dims is None:
+            if step is not None:
+                # The payload is a copy in the step's buffers; the gradient itself stays what the optimizer consumes
+                # (a .grad aliasing the buffers would be overwritten by another parameter's payload next step).
+                full = step.take(fqn, grad.numel(), grad.dtype, grad.device).view(grad.shape)
+                full.copy_(grad)
+                return {"full": full}, grad
             full = grad.detach().clone()
             if comm is not None and world > 1:
                 comm.allreduce_sum_(full)
@@ -97,11 +114,17 @@ class PowerSGDCompressor(Compressor):
         q = self._q.get(fqn)
         if q is None or q.shape != (m, r):
             q = self._first_q(fqn, m, r, matrix)
-        p = matrix @ q
+        if step is not None:
+            p = torch.matmul(matrix, q, out=step.take(fqn, n * r, matrix.dtype, matrix.device).view(n, r))
+        else:
+            p = matrix @ q
         if comm is not None and world > 1:
             comm.allreduce_sum_(p)
         orthogonalize(p)
-        q = matrix.T @ p
+        if step is not None:
+            q = torch.matmul(matrix.T, p, out=step.take(fqn, m * r, matrix.dtype, matrix.device).view(m, r))
+        else:
+            q = matrix.T @ p
         if comm is not None and world > 1:
             # As in PyTorch's hook: the averaged approximation is P (sum of M_i Q)^T / N; dividing Q keeps
             # decode() a plain product.

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from lowdiff._compressors.base import Comm, Compressor, Payload, StepPayloads, check_residual
+from lowdiff._compressors.step_buffers import StepBuffers
 from lowdiff.errors import CorruptFileError, UnsupportedError
 
 # Below this many elements torch.topk is already cheap.
@@ -82,62 +83,6 @@ def _positions_mask(positions: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.bool, device=positions.device).index_fill_(0, positions, True)
 
 
-class StepBuffers:
-    """A step's payloads written one after the other into one flat tensor per dtype (values in the gradients'
-    dtypes, indices int32), reused from step to step (:class:`lowdiff._compressors.base.StepPayloads`).
-
-    A buffer too small for a step's payloads (the first step, more parameters with gradients) is not grown
-    during the step, whose earlier payloads are views of it: the rest of that step's payloads are fresh tensors,
-    and the buffer is replaced at the step's end by one of the size the step needed (the old one is then only
-    kept alive by those views, never written again)."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[torch.dtype, torch.Tensor] = {}
-        self._used: dict[torch.dtype, int] = {}
-        self._seq: list[tuple[str, int, torch.dtype, torch.device]] = []
-        self._last: list[tuple[str, int, torch.dtype, torch.device]] = []
-        self._names: list[str] = []
-        self._devices: set[torch.device] = set()
-        self._whole = True
-        self._version = 0
-        self.active = False
-
-    def begin(self) -> None:
-        self._used, self._seq, self._devices, self._whole, self.active = {}, [], set(), True, True
-
-    def take(self, fqn: str, k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the values (``dtype``) and int32 indices of ``fqn``'s ``k`` entries go."""
-        self._seq.append((fqn, k, dtype, device))
-        self._devices.add(device)
-        return self._slice(dtype, k, device), self._slice(torch.int32, k, device)
-
-    def _slice(self, dtype: torch.dtype, k: int, device: torch.device) -> torch.Tensor:
-        at = self._used.get(dtype, 0)
-        self._used[dtype] = at + k
-        buf = self._bufs.get(dtype)
-        if buf is None or buf.device != device or buf.numel() < at + k:
-            self._whole = False
-            return torch.empty(k, dtype=dtype, device=device)
-        return buf[at:at + k]
-
-    def end(self) -> StepPayloads | None:
-        self.active = False
-        seq, devices = self._seq, self._devices
-        if seq != self._last:
-            self._version += 1
-            self._last, self._names = seq, [fqn for fqn, *_ in seq]
-        if not seq:
-            return None
-        if not self._whole or len(devices) != 1:
-            if len(devices) == 1:
-                device = next(iter(devices))
-                self._bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in self._used.items()}
-            else:
-                self._bufs = {}
-            return None
-        return StepPayloads(self._version, self._names, {dt: self._bufs[dt][:n] for dt, n in self._used.items()})
-
-
 class TopKCompressor(Compressor):
     name = "topk"
 
@@ -180,7 +125,9 @@ class TopKCompressor(Compressor):
         # (3.3 -> 1.9 us and 3.8 -> 2.8 us a call here; a step makes one of each per parameter).
         single = comm is None or comm.world_size == 1
         if single and self._step.active:  # into the step's reused buffers (StepBuffers): the same bits
-            values, indices = self._step.take(fqn, idx.numel(), acc.dtype, acc.device)
+            k = idx.numel()
+            values, indices = self._step.take(fqn, k, acc.dtype, acc.device), self._step.take(fqn, k, torch.int32,
+                                                                                               acc.device)
             torch.index_select(acc, 0, idx, out=values)
             indices.copy_(idx)
         else:

@@ -209,8 +209,8 @@ class Stager:
             planned = None
             if list(grads) == payloads.names:
                 keys, tensors = _keyed(grads, buffers)
-                layout = layout_of(keys, tensors)
                 n_payload = len(keys) - len(bkeys)
+                layout = layout_of(keys, tensors, flat=n_payload)
                 if layout is not None:
                     planned = from_flats(layout, n_payload, {dt: f.numel() for dt, f in payloads.flats.items()})
             plan = self._flat_plan = (payloads.version, bkeys, shapes, dtypes, planned)

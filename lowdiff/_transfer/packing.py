@@ -7,6 +7,9 @@ the number of parameters beyond building two lists. A region holds the tensors o
 (every dimension but the first: ``()`` for 1-D tensors, ``(r,)`` for PowerSGD's rank-r factors, ``(in,)`` for the
 weight gradients of Linear layers), so they concatenate along their first dimension as they are: reshaping each to
 1-D first cost more than the copy on fast steps (266 ``reshape`` calls took 0.33 ms, the copy without them 0.06 ms).
+Where a compressor wrote the payloads into flat buffers (Top-k, PowerSGD: lowdiff._compressors.step_buffers), the
+region of a dtype holds all its payloads flattened, whatever their shapes, and a step copies the flats (one per
+dtype) without a Python operation per tensor.
 The layout (which tensor lies where) is the same from step to step (Top-k's k, PowerSGD's rank and the gradients'
 shapes are fixed), so it is computed once, given an id, and only checked afterwards. The writer turns the buffer
 back into per-tensor views (lowdiff._storage.packed.unpack) on its own thread or in its own process, never on the
@@ -103,17 +106,18 @@ class StepPacker:
         return self._layout, self._layout is not None
 
 
-def layout_of(keys: list[Key], tensors: list[torch.Tensor]) -> StepLayout | None:
-    """A new layout for these tensors; None when they cannot be packed together (on different devices)."""
+def layout_of(keys: list[Key], tensors: list[torch.Tensor], flat: int = 0) -> StepLayout | None:
+    """A new layout for these tensors; None when they cannot be packed together (on different devices). The first
+    ``flat`` tensors are flattened: one region per dtype holds them all, whatever their shapes (:func:`from_flats`)."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         return None
     return _layout(next(_LAYOUT_IDS), keys, [(t.dtype, t.shape) for t in tensors],
-                   next(iter(devices), torch.device("cpu")))
+                   next(iter(devices), torch.device("cpu")), flat)
 
 
 def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Size]],
-            device: torch.device) -> StepLayout:
+            device: torch.device, flat: int = 0) -> StepLayout:
     index: dict[tuple[torch.dtype, Rows], int] = {}
     numels: list[int] = []
     members: list[list[int]] = []
@@ -121,7 +125,7 @@ def _layout(lid: int, keys: list[Key], shapes: list[tuple[torch.dtype, torch.Siz
     payload = 0
     for i, ((name, _), (dt, shape)) in enumerate(zip(keys, shapes)):
         # Rows with a zero dimension cannot be viewed as (-1, *rows): such tensors (and 0-d ones) are flattened.
-        rows = tuple(shape[1:]) if len(shape) and 0 not in shape[1:] else None
+        rows = tuple(shape[1:]) if i >= flat and len(shape) and 0 not in shape[1:] else None
         r = index.setdefault((dt, rows), len(index))
         if r == len(numels):
             numels.append(0)
@@ -144,15 +148,16 @@ def from_flats(layout: StepLayout, n_payload: int,
                flats: dict[torch.dtype, int]) -> tuple[StepLayout, list[torch.dtype]] | None:
     """``layout`` packed from other pieces: the flat tensors a compressor wrote a step's payloads into, one per
     dtype (lowdiff._compressors.base.StepPayloads; ``flats``: their numel), then the buffers. The payloads are
-    ``layout``'s first ``n_payload`` keys, 1-D, and lie in their flat in key order; then the region of a dtype
-    begins with its whole flat, and a step is packed by copying the flats instead of concatenating the payloads.
+    ``layout``'s first ``n_payload`` keys, flattened (``layout_of(..., flat=n_payload)``: any shape), and lie in their
+    flat in key order; then the region of a dtype begins with its whole flat, and a step is packed by copying the
+    flats instead of concatenating the payloads.
     Returns the layout whose ``members`` index ``[flat of each dtype returned, in order] + buffers``, or None when
     the payloads do not lie that way."""
     order: list[torch.dtype] = []
     heads: list[int] = []
     for (dt, _, _), members, rows in zip(layout.regions, layout.members, layout.rows):
         head = sum(1 for i in members if i < n_payload)
-        if head and (rows != () or any(i >= n_payload for i in members[:head]) or dt in order
+        if head and (rows is not None or any(i >= n_payload for i in members[:head]) or dt in order
                      or flats.get(dt) != sum(layout.sizes[i].numel() for i in members[:head])):
             return None
         if head:

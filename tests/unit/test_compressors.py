@@ -290,6 +290,44 @@ def test_a_residual_that_does_not_match_its_gradient_is_an_error(name: str) -> N
         c.compress("w", _tensor(1, (10, 12)))
 
 
+def test_powersgd_payloads_in_reused_step_buffers_are_the_fresh_payloads_bit_for_bit() -> None:
+    """PowerSGD between ``begin_step`` and ``end_step`` writes P and Q (``torch.matmul(..., out=)`` into slices of
+    one flat) and copies the tensors it sends whole there: every payload, every decoded gradient and the
+    compressor's state equal a twin's that returns fresh tensors, bit for bit, through steps where a parameter has no
+    gradient and a step that needs more room than the buffers have. A tensor sent whole is decoded as the gradient
+    itself, never as a view of the buffers (the next step writes them again)."""
+    shapes = {"a": (300, 40), "b": (40, 10, 3), "c": (7,), "d": (64, 2), "e": (128, 96)}
+    reused, fresh = make_compressor("powersgd", rank=3), make_compressor("powersgd", rank=3)
+    full = ["a", "b", "c", "d"]
+    plan = [full, full, ["a", "c"], full, full + ["e"], full + ["e"]]
+    versions: list[int | None] = []
+    for step, names in enumerate(plan):
+        grads = {n: _tensor(step * 10 + i, shapes[n]) for i, n in enumerate(names)}
+        reused.begin_step()
+        got = {n: reused.compress_decode(n, g) for n, g in grads.items()}
+        flats = reused.end_step()
+        want = {n: fresh.compress_decode(n, g) for n, g in grads.items()}
+        for n in names:
+            assert sorted(got[n][0]) == sorted(want[n][0])
+            for f in got[n][0]:
+                assert torch.equal(got[n][0][f], want[n][0][f]), (step, n, f)
+            assert torch.equal(got[n][1], want[n][1]), (step, n)
+            if "full" in got[n][0]:
+                assert got[n][1] is grads[n]
+        versions.append(None if flats is None else flats.version)
+        if flats is not None:
+            assert flats.names == names and list(flats.flats) == [torch.float32]
+            parts = [p[f].reshape(-1) for p, _ in got.values() for f in p]
+            assert torch.equal(flats.flats[torch.float32], torch.cat(parts))
+    assert versions[0] is None and versions[4] is None
+    assert versions[1] != versions[2] != versions[3] != versions[5] and None not in versions[1:4] + versions[5:]
+    a, b = reused.state_dict(), fresh.state_dict()
+    assert sorted(a) == sorted(b)
+    for n in a:
+        for k in a[n]:
+            assert torch.equal(a[n][k], b[n][k]), (n, k)
+
+
 def test_topk_payloads_in_reused_step_buffers_are_the_fresh_payloads_bit_for_bit() -> None:
     """Between ``begin_step`` and ``end_step`` Top-k writes its payloads one after the other into buffers it reuses
     at the next step (``StepPayloads``). Every payload equals, bit for bit, the one a twin compressor returns as
