@@ -24,7 +24,7 @@ from lowdiff._persist.handover import CopyingRecord, pack_here
 from lowdiff._persist.process_channel import Channel
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
-from lowdiff._storage.segment import StepRecord
+from lowdiff._storage.segment import StepRecord, scale_of
 from lowdiff._storage.snapshot import SnapshotState
 from lowdiff._transfer.host_copies import Slot, Staged
 from lowdiff._transfer.packing import StepPacker, remember
@@ -208,7 +208,7 @@ class ProcessWriter:
         self._rng_sent = rec.rng
         self._chan.send(m.Record(rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                             None if layout.id in self._layouts_sent else layout.wire, m.rng_bytes(rec.rng),
-                            rec.groups, rec.data, rec.skipped, keep_if_orphaned, rec.grad_scale))
+                            rec.groups, rec.data, rec.skipped, keep_if_orphaned, scale_of(rec)))
         if layout.id not in self._layouts_sent:
             remember(self._layouts_sent, layout.id, None)
         self._early_step = rec.step

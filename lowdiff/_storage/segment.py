@@ -43,10 +43,11 @@ class StepRecord:
     end_groups: list[dict[str, Any]] | None = None
     """Encoded hyperparameters of each group at the end of the iteration (after the loop's ``sched.step()``): what
     the next step starts from. None until the iteration ends (lowdiff._training.iteration)."""
-    grad_scale: float | None = None
+    grad_scale: float | torch.Tensor | None = None
     """The factor the optimizer's gradients are the decoded payloads times (2.5; None: 1). Under DDP lowdiff's hook
     compresses the gradients before a GradScaler unscales them: the log holds the scaled ones, and this is the
-    scaler's ``1 / scale`` that the optimizer's step consumed them multiplied by."""
+    scaler's ``1 / scale`` that the optimizer's step consumed them multiplied by. On the training side a 0-d host
+    tensor whose copy completes with the record's (read once the record is ready: :func:`scale_of`)."""
     skipped: bool = False
     """An iteration without an optimizer step (a tracked GradScaler skipped it): no gradients, nothing to replay
     but its buffers, RNG state and tracked state."""
@@ -142,6 +143,11 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
     return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)
 
 
+def scale_of(r: StepRecord) -> float | None:
+    """``r.grad_scale`` as a float (call once the record's copies are complete)."""
+    return None if r.grad_scale is None else float(r.grad_scale)
+
+
 def _step_meta(r: StepRecord) -> dict[str, Any]:
     meta: dict[str, Any] = {"step": r.step, "groups": r.groups}
     if r.data:
@@ -151,7 +157,7 @@ def _step_meta(r: StepRecord) -> dict[str, Any]:
     if r.skipped:
         meta["skipped"] = True
     if r.grad_scale is not None:
-        meta["grad_scale"] = r.grad_scale
+        meta["grad_scale"] = scale_of(r)
     return meta
 
 

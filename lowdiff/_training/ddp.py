@@ -71,18 +71,25 @@ def lowdiff_comm_hook(state, bucket):
     return fut
 
 
-def unscaled_by(optimizer: Any, scalers: list[Any]) -> float | None:
+def unscaled_by(optimizer: Any, scalers: list[Any]) -> torch.Tensor | None:
     """The factor a GradScaler multiplied this step's gradients by before ``optimizer`` consumed them (its
     ``1 / scale``), None when none unscaled them. Under DDP the hook compresses the gradients during backward,
     before the scaler unscales them, so the log holds the scaled ones and replay needs the factor
     (StepRecord.grad_scale). ``scalers``: the tracked ones, and the one whose ``step()`` called ``optimizer.step()``.
-    The factor is computed as ``GradScaler.unscale_`` computes it."""
+    The factor is computed as ``GradScaler.unscale_`` computes it, as a 0-d host tensor: on a GPU its copy is queued
+    without waiting (into pinned memory, on the training stream), and the record's copies, queued after it, complete
+    after it; the writer reads it once they have (a ``float()`` here would wait for the device every step)."""
     from torch.amp.grad_scaler import OptState
 
     for scaler in scalers:
         state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
         if state is not None and state.get("stage") is OptState.UNSCALED:
-            return float(scaler._scale.double().reciprocal().float())
+            factor = scaler._scale.double().reciprocal().float()
+            if factor.device.type != "cuda":
+                return factor.cpu()
+            host = torch.empty((), dtype=factor.dtype, pin_memory=True)
+            host.copy_(factor, non_blocking=True)
+            return host
     return None
 
 

@@ -257,9 +257,13 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         aggregated = self._run.hook.take() if self._run.hook is not None else None
         grads, payloads = self._payloads(aggregated)
         ckpt = self._run.checkpointer
-        copies, stage_s, data = None, 0.0, {}
+        copies, stage_s, data, scale = None, 0.0, {}, None
         if ckpt is not None:
             data = self._step_state()  # before anything changes: a state that cannot be logged stops the step here
+            if aggregated is not None:  # DDP: the hook compressed the gradients before a GradScaler unscaled them
+                # Queued before the record's copies, which then complete after it (no wait for the device here).
+                scalers = [*self._run.tracker.scalers(), calling_scaler(sys._getframe(1))]
+                scale = unscaled_by(self, [s for s in scalers if s is not None])
             # Queued before the inner step, so on a GPU the copies to host memory overlap the optimizer's kernels.
             t_stage = time.perf_counter()
             copies = self._run.stager.copy_step(grads, ckpt.slots, payloads)
@@ -273,10 +277,6 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.stepped = True
         self._loop.memory_step = step
         if ckpt is not None and copies is not None:
-            scale = None
-            if aggregated is not None:  # DDP: the hook compressed the gradients before a GradScaler unscaled them
-                scalers = [*self._run.tracker.scalers(), calling_scaler(sys._getframe(1))]
-                scale = unscaled_by(self, [s for s in scalers if s is not None])
             self._hold(self._run.stager.finish_step(copies, step, groups, data, grad_scale=scale), apply_s)
         if self._run.writes is not None:
             self._run.writes.arm(step)

@@ -221,7 +221,7 @@ class Stager:
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
                     data: dict[str, Any] | None = None, *, skipped: bool = False,
-                    grad_scale: float | None = None) -> Staged[StepRecord]:
+                    grad_scale: torch.Tensor | None = None) -> Staged[StepRecord]:
         """The record of ``step``: call right after the inner step (the RNG state it logs is what the next forward
         pass starts from). ``data``: the encoded state of the objects tracked ``at="step"``; ``skipped``: an
         iteration without an optimizer step (no gradients); ``grad_scale``: StepRecord.grad_scale."""
