@@ -79,9 +79,11 @@ class Compressor(ABC):
         """Refuse, at ``wrap()``, parameters this compressor cannot compress (raise UnsupportedError naming one)."""
         return None
 
-    def begin_step(self) -> None:
+    def begin_step(self, targets: dict[torch.dtype, torch.Tensor] | None = None) -> None:
         """The ``compress`` calls of one optimizer step follow, single-process (no ``comm``): a compressor may
-        write their payloads into buffers it reuses at the next step (:meth:`end_step` says where)."""
+        write their payloads into buffers it reuses at the next step (:meth:`end_step` says where). ``targets``:
+        1-D tensors, by dtype, it may write them into instead, one after the other from the start (the step's
+        flats are then views of them)."""
         return None
 
     def end_step(self) -> StepPayloads | None:

@@ -53,8 +53,8 @@ class PowerSGDCompressor(Compressor):
         self._q0: dict[str, torch.Tensor] = {}
         self._step = StepBuffers()
 
-    def begin_step(self) -> None:
-        self._step.begin()
+    def begin_step(self, targets: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+        self._step.begin(targets)
 
     def end_step(self) -> StepPayloads | None:
         return self._step.end()

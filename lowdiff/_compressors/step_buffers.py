@@ -24,6 +24,7 @@ class StepBuffers:
 
     def __init__(self) -> None:
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._own: dict[torch.dtype, torch.Tensor] = {}
         self._used: dict[torch.dtype, int] = {}
         self._seq: list[_Take] = []
         self._last: list[_Take] = []
@@ -34,8 +35,11 @@ class StepBuffers:
         self.active = False
         """Between :meth:`begin` and :meth:`end`: payloads are taken from the buffers."""
 
-    def begin(self) -> None:
+    def begin(self, targets: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+        """A step's payloads follow; ``targets``: 1-D tensors, by dtype, to write them into this step instead of the
+        buffers kept here (a writer's slot, so packing the step copies nothing; lowdiff._training.stager)."""
         self._used, self._seq, self._devices, self._whole, self.active = {}, [], set(), True, True
+        self._bufs = targets if targets else self._own
 
     def take(self, fqn: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements for a payload tensor of parameter ``fqn``: the next slice of the
@@ -62,8 +66,8 @@ class StepBuffers:
         if not self._whole or len(devices) != 1:
             if len(devices) == 1:
                 device = next(iter(devices))
-                self._bufs = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in self._used.items()}
+                self._own = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in self._used.items()}
             else:
-                self._bufs = {}
+                self._own = {}
             return None
         return StepPayloads(self._version, self._names, {dt: self._bufs[dt][:n] for dt, n in self._used.items()})

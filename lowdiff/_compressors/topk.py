@@ -101,8 +101,8 @@ class TopKCompressor(Compressor):
                                    f"{' and more' if len(complex_params) > 1 else ''}); use compressor powersgd or "
                                    "none for this model")
 
-    def begin_step(self) -> None:
-        self._step.begin()
+    def begin_step(self, targets: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+        self._step.begin(targets)
 
     def end_step(self) -> StepPayloads | None:
         return self._step.end()

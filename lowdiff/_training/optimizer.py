@@ -205,6 +205,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         interrupts.OPEN.discard(self)
         if self._run.checkpointer is not None:
             self._run.stager.settle_snapshot()  # a copy still running must not outlive the buffers close gives back
+            self._run.stager.drop_targets()  # a slot handed to the compressor for a step that raised
             # detach(), not self._release(): a finalizer called after weakref's own exit hook (registered when
             # the process's first finalize was made, possibly after ours) does nothing.
             if self._release.detach() is not None:
@@ -294,7 +295,9 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         if it wrote them all into its reused buffers (lowdiff._compressors.base.StepPayloads)."""
         grads: dict[str, dict[str, torch.Tensor]] = {}
         if aggregated is None:
-            self.compressor.begin_step()
+            # On the CPU the payloads go straight into the writer's slot where they can (Stager.step_targets).
+            ckpt = self._run.checkpointer
+            self.compressor.begin_step(self._run.stager.step_targets(ckpt.slots) if ckpt is not None else None)
         try:
             with torch.no_grad():
                 for name, p in self._run.spec.optimized:

@@ -31,10 +31,11 @@ from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
 from lowdiff._storage.stop import StopState
 from lowdiff._training.capture import LayerwiseCapture
+from lowdiff._training.flat_steps import FlatSteps, keyed
 from lowdiff._training.fsdp import local as local_tensor
 from lowdiff._training.model_spec import ModelSpec
 from lowdiff._transfer.host_copies import CopyInFlight, HostCopier, HostPool, Slot, Staged
-from lowdiff._transfer.packing import PackedStep, StepLayout, StepPacker, from_flats, layout_of
+from lowdiff._transfer.packing import PackedStep, StepPacker
 
 
 @dataclass
@@ -97,10 +98,7 @@ class Stager:
         # comprehension a step: no Python call per buffer.
         self._buffers_at = [(b.name, b.module._buffers, b.attr) for b in spec.buffers]
         self._packer = StepPacker()
-        # The layout of steps whose payloads lie in the compressor's flats: (payload version, buffer keys, shapes
-        # and dtypes, the layout and its flats' dtypes or None where the payloads do not lie that way).
-        self._flat_plan: tuple[int, list[str], list[torch.Size], list[torch.dtype],
-                               tuple[StepLayout, list[torch.dtype]] | None] | None = None
+        self._flat = FlatSteps()
         self._snapshot_packer = StepPacker()
         self._slots: Slots | None = None
         self._unfinished: StepCopies | None = None  # packed by copy_step, not yet a record (finish_step)
@@ -180,44 +178,36 @@ class Stager:
         # One side stream: a later event also covers the copies the hooks queued before it.
         return StepCopies(staged, out_buffers, ready if ready is not None else hooked, release)
 
+    def step_targets(self, slots: Slots | None) -> dict[torch.dtype, torch.Tensor] | None:
+        """Where the compressor may write this step's payloads (``Compressor.begin_step``): on the CPU, a writer slot
+        laid out as the last step packed from its flats was (lowdiff._training.flat_steps). None: where it keeps
+        them."""
+        if self.layerwise is not None:
+            return None
+        return self._flat.targets(slots)
+
+    def drop_targets(self) -> None:
+        """Give back the slot :meth:`step_targets` handed out for a step that never got packed (it raised)."""
+        self._flat.drop()
+
     def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
                    slots: Slots, payloads: StepPayloads | None) -> StepCopies | None:
-        planned = self._from_flats(grads, buffers, payloads) if payloads is not None else None
+        planned = self._flat.plan(grads, buffers, payloads) if payloads is not None else None
+        slot, planned, grads = self._flat.take_slot(planned, grads)
         if planned is None:
-            keys, tensors = _keyed(grads, buffers)
+            keys, tensors = keyed(grads, buffers)
             found, _ = self._packer.plan(keys, tensors)
             if found is None:
                 return None
             planned = found, tensors
         layout, tensors = planned
         self._slots = slots
-        slot = slots.alloc(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
+        if slot is None:  # else the flats lie in it already: pack_host leaves them in place
+            slot = slots.alloc(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
         if slot is None:  # the persistence process is gone (its error reaches the caller at the next step)
             return None
         ready = self.copier.pack(layout, tensors, slot.buf)
         return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, slot.handle))
-
-    def _from_flats(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
-                    payloads: StepPayloads) -> tuple[StepLayout, list[torch.Tensor]] | None:
-        """The layout of a step whose payloads lie in the compressor's flats, and the tensors to pack by it: the
-        flats, then the changed buffers. Built once per payload version (and set of changed buffers); a step then
-        checks its buffers alone, not its hundreds of payload tensors (lowdiff._transfer.packing.from_flats)."""
-        bkeys, btensors = list(buffers), list(buffers.values())
-        shapes, dtypes = [t.shape for t in btensors], [t.dtype for t in btensors]
-        plan = self._flat_plan
-        if plan is None or plan[0] != payloads.version or plan[1:4] != (bkeys, shapes, dtypes):
-            planned = None
-            if list(grads) == payloads.names:
-                keys, tensors = _keyed(grads, buffers)
-                n_payload = len(keys) - len(bkeys)
-                layout = layout_of(keys, tensors, flat=n_payload)
-                if layout is not None:
-                    planned = from_flats(layout, n_payload, {dt: f.numel() for dt, f in payloads.flats.items()})
-            plan = self._flat_plan = (payloads.version, bkeys, shapes, dtypes, planned)
-        if plan[4] is None:
-            return None
-        layout, order = plan[4]
-        return layout, [payloads.flats[dt] for dt in order] + btensors
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],
                     data: dict[str, Any] | None = None, *, skipped: bool = False,
@@ -374,17 +364,6 @@ def _skeleton(obj: Any, tensors: list[torch.Tensor], device: torch.device) -> An
     if isinstance(obj, (list, tuple)):
         return type(obj)(_skeleton(v, tensors, device) for v in obj)
     return obj
-
-
-def _keyed(grads: dict[str, dict[str, torch.Tensor]],
-           buffers: dict[str, torch.Tensor]) -> tuple[list[tuple[str, str]], list[torch.Tensor]]:
-    """A step's tensors to pack and their keys: (parameter, field) for payloads, then ("", name) for buffers."""
-    keys = [(n, f) for n, p in grads.items() for f in p]
-    tensors = [t for p in grads.values() for t in p.values()]
-    if buffers:
-        keys += [("", n) for n in buffers]
-        tensors += buffers.values()
-    return keys, tensors
 
 
 def _after(copying: CopyInFlight, release: Callable[[], None]) -> Callable[[], None]:

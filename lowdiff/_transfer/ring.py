@@ -114,7 +114,11 @@ def aligned(n: int) -> int:
 
 
 def copy_region(parts: list[torch.Tensor], region: torch.Tensor) -> None:
-    """Concatenate ``parts`` along their first dimension into ``region`` (one copy; other dimensions equal)."""
+    """Concatenate ``parts`` along their first dimension into ``region`` (one copy; other dimensions equal). A 1-D
+    first part that already lies at the start of a 1-D region (a compressor wrote it there) is not copied."""
+    if parts and region.dim() == 1 and parts[0].dim() == 1 and parts[0].data_ptr() == region.data_ptr() \
+            and parts[0].dtype == region.dtype and parts[0].is_contiguous():
+        region, parts = region[parts[0].numel():], parts[1:]
     if len(parts) == 1:
         region.copy_(parts[0])
     elif parts:
