@@ -115,7 +115,8 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
     step of a run trained on several ranks (``opt.resume()`` under DDP asks for its own).
 
-    ``workers``: replay processes (None: one per CPU this process may use, at most 8; docs/measurements/recovery.md).
+    ``workers``: replay processes (None: one per CPU this process may use, at most 8, and one for a replay of
+    fewer than 4 steps, which forking workers would slow down; docs/measurements/recovery.md).
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
     optimizers, devices other than the CPU, and a process running other threads replay in one process
     (``report.mode`` says why). ``options``: replay's block sizes and test seam (:class:`ReplayOptions`; the
@@ -270,10 +271,15 @@ def _replay_chain(manifest: Manifest, chain: Chain, target: int, workers: int | 
     segments = chain.segments_to(target)
     nsteps = target - chain.snapshot_step
     names = manifest.optimized_params
+    auto = workers is None
     if workers is None:
         workers = procs.default_workers()
     workers = max(1, min(workers, max(len(names), 1)))
     mode = "sequential"
+    if auto and workers > 1 and 0 < nsteps < procs.PARALLEL_MIN_STEPS:
+        mode = (f"sequential ({nsteps} step(s) to replay: below {procs.PARALLEL_MIN_STEPS}, starting worker "
+                "processes costs more than they save)")
+        workers = 1
     if workers > 1 and manifest.optimizer_class not in ELEMENTWISE_OPTIMIZERS:
         mode = f"sequential ({manifest.optimizer_class} is not known to be element-wise)"
         workers = 1

@@ -47,6 +47,9 @@ def fork_unsafe_reason() -> str | None:
 
 
 MAX_DEFAULT_WORKERS = 8
+PARALLEL_MIN_STEPS = 4
+"""``recover(workers=None)`` replays fewer steps than this in one process: moving the state into shared memory and
+forking the workers then costs more than splitting the steps saves (docs/measurements/recovery.md)."""
 
 
 def trim_heap() -> None:

@@ -87,8 +87,20 @@ def test_recovered_tensors_stay_valid_after_the_workers_exit(run) -> None:
     assert_state_equal(*refs[9], rec)
 
 
-def test_default_is_one_worker_per_cpu(run) -> None:
+def test_default_is_one_worker_for_a_few_steps(run) -> None:
+    """Step 9 replays one step after the snapshot of step 8: forking workers would cost more than it saves."""
     root, refs = run
+    rec = lowdiff.recover(root)
+    assert rec.report.workers == 1
+    if procs.default_workers() > 1:
+        assert rec.report.mode.startswith("sequential (1 step(s) to replay: below 4")
+    assert lowdiff.recover(root, workers=2).report.workers == 2  # asked for: as asked
+    assert_state_equal(*refs[9], rec)
+
+
+def test_default_is_one_worker_per_cpu(run, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, refs = run
+    monkeypatch.setattr(procs, "PARALLEL_MIN_STEPS", 1)  # this run's replays are short
     rec = lowdiff.recover(root)
     expected = procs.default_workers()
     assert 1 <= expected <= procs.MAX_DEFAULT_WORKERS
