@@ -101,8 +101,8 @@ def kill_phase(args: argparse.Namespace, methods: list[str], every: int, work: P
     rng = random.Random(args.seed)
     size = "smoke" if args.smoke else "small"
     rows: list[dict[str, Any]] = []
-    plan = [(name, i) for i in range(args.kills + 1) for name in methods
-            if i < args.kills or (name in HEADLINE and args.headline_kills > args.kills)]
+    plan = [(name, i) for i in range(max(args.kills, args.headline_kills)) for name in methods
+            if i < args.kills or name in HEADLINE]
     for name, i in plan:
         period = every if name.startswith("lowdiff-") else int(name.rsplit("-k", 1)[1])
         r = one_trial(Path(__file__), name, work / f"{name}-{i}", size, every, min(period, args.kill_span), rng)
