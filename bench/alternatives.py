@@ -3,6 +3,8 @@ snapshot-then-persist, torch.save + fsync -- side by side in one run, in goodput
 
     python bench/alternatives.py            # the real run (~25-30 min on the shared 2-core box); bench/results, docs/
     python bench/alternatives.py --smoke --out-dir /tmp/x   # < 60 s; what tests/bench runs
+    python bench/alternatives.py --device cuda   # on a GPU: model, optimizer state and batches there;
+                                                 # bench/results/alternatives-cuda.json, docs/.../alternatives-cuda.md
 
 Phase 1, overhead (one process, one model, one AdamW; bench/overhead_protocol.py's rounds): windows of plain
 training and of every interval method (k in --ks) alternate, P X1 P X2 ... P; per compressor C, lowdiff runs
@@ -31,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import FULL_MODEL, SMOKE_MODEL, machine_info, median, output_paths, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    FULL_MODEL,
+    SMOKE_MODEL,
+    device_info,
+    machine_info,
+    median,
+    output_paths,
+    to_device,
+    write_json,
+)
+from alternatives_kill import DEVICE_ENV  # noqa: E402
 
 HEADLINE = ("lowdiff-topk-process", "lowdiff-none-process", "dcp-process-k10")
 SMOKE_KILLS = ("lowdiff-topk-process", "torchsave-k4")
@@ -45,10 +57,11 @@ def overhead_phase(args: argparse.Namespace, ks: list[int], every: int, work: Pa
 
     ensure_process_group()
     spec = SMOKE_MODEL if args.smoke else FULL_MODEL
-    model = spec.build()
+    device = torch.device(args.device)
+    model = spec.build().to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    batches = spec.batches(8)
-    settings = Settings(device=torch.device("cpu"), quick=args.smoke)
+    batches = to_device(spec.batches(8), device)
+    settings = Settings(device=device, quick=args.smoke)
     ctx = Ctx(model, inner, work, settings)
     modes = build_modes(ks, every, args.window, args.lowdiff_window)
     for m in modes:
@@ -128,6 +141,8 @@ def recovery_figures(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model, optimizer state and batches live (cuda: write alternatives-cuda.*)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds, 2 kills: ~40 s on a quiet machine")
     ap.add_argument("--out-dir", help="write alternatives.json/.md/.png here instead of bench/results and docs/")
     ap.add_argument("--work-dir", default=None, help="where checkpoints are written (default: system tmp)")
@@ -166,7 +181,8 @@ def main() -> None:
         return
     from alternatives_report import plot, write_markdown
 
-    json_path, md_path, png_path = output_paths(args.out_dir, "alternatives")
+    json_path, md_path, png_path = output_paths(args.out_dir, "alternatives" if args.device == "cpu"
+                                                else f"alternatives-{args.device}")
     if args.render_only:
         doc = json.loads(json_path.read_text())
         if args.recovery_json:
@@ -178,6 +194,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    os.environ[DEVICE_ENV] = args.device  # the kill trials' trainers and resumes train there
     if args.smoke:
         args.rounds = args.rounds or 2
         args.window, args.lowdiff_window = 2, 2
@@ -192,7 +211,7 @@ def main() -> None:
     if args.lowdiff_warmup is None:
         args.lowdiff_warmup = 1 if args.smoke else 19
     t_start = time.perf_counter()
-    info = machine_info()
+    info = machine_info() | {"device": device_info(args.device)}
     work = Path(tempfile.mkdtemp(prefix="lowdiff-alternatives-", dir=args.work_dir))
     print(f"alternatives: {args.rounds} rounds, ks {ks} (+ derived {derive_ks}), snapshot every {every}, work dir "
           f"{work}", flush=True)
@@ -217,7 +236,8 @@ def main() -> None:
                             "snapshot_every_steps": every, "kills": args.kills,
                             "headline_kills": max(args.kills, args.headline_kills), "headline": list(HEADLINE),
                             "kill_span": args.kill_span, "kill_methods": chosen,
-                            "restart_cost_s": args.restart_cost, "seed": args.seed, "torch_threads": 1},
+                            "restart_cost_s": args.restart_cost, "seed": args.seed, "torch_threads": 1,
+                            "device": args.device},
                "methods": methods, "modes": ov["modes"], "kills": kills, "overhead_runtime_s": ov["runtime_s"],
                "runtime_s": time.perf_counter() - t_start, "loadavg_end": os.getloadavg()}
         if args.recovery_json:

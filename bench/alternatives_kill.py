@@ -33,6 +33,8 @@ from typing import Any
 
 HELPER_GRACE_S = 30.0
 S0 = 5
+DEVICE_ENV = "LOWDIFF_ALTERNATIVES_DEVICE"
+"""Where the trainers and resumes train (bench/alternatives.py --device sets it for the processes it starts)."""
 
 
 def _spec(size: str) -> Any:
@@ -43,13 +45,15 @@ def _spec(size: str) -> Any:
 
 def _ctx(work: Path, size: str) -> Any:
     import torch
+    from _common import to_device
     from overhead_modes import Ctx, Settings
 
     torch.set_num_threads(1)
+    device = torch.device(os.environ.get(DEVICE_ENV, "cpu"))
     spec = _spec(size)
-    model = spec.build()
+    model = spec.build().to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    return Ctx(model, inner, work, Settings(device=torch.device("cpu")), shared=False), spec.batches(8)
+    return Ctx(model, inner, work, Settings(device=device), shared=False), to_device(spec.batches(8), device)
 
 
 def trainer(name: str, work: str, size: str, every: int) -> None:

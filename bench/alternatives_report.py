@@ -109,7 +109,7 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
         f"average {m['loadavg_start'][0]:.1f} at start and {doc['loadavg_end'][0]:.1f} at the end; torch "
         f"{m['torch']}, 1 torch thread; runtime {doc['runtime_s']:.0f} s. Model: GPT "
         f"{doc['model']['params'] / 1e6:.1f}M parameters, batch {doc['model']['batch']} x {doc['model']['block']} "
-        f"tokens, AdamW(lr=3e-4), clip_grad_norm 1.0, CPU. Plain training: {plain:.3f} s per step (median).",
+        f"tokens, AdamW(lr=3e-4), clip_grad_norm 1.0, {_where(doc)}. Plain training: {plain:.3f} s per step (median).",
         "",
         "Methods: DCP `async_save` in thread mode (`dcp-thread`) and in process mode with `DefaultStager` "
         "(`dcp-process`, a one-rank gloo group, staging into shared memory while the next forward/backward runs), a "
@@ -236,6 +236,14 @@ def targets_section(rows: list[dict[str, Any]], rec: dict[str, Any] | None) -> l
     return out + [""]
 
 
+def _where(doc: dict[str, Any]) -> str:
+    """The device the run trained on, by name ("CPU" before --device existed)."""
+    dev = doc["machine"].get("device") or {}
+    if doc["protocol"].get("device", "cpu") == "cpu":
+        return "CPU"
+    return f"{dev.get('name', 'GPU')} (cuda)"
+
+
 def _why_short(r: dict[str, Any]) -> str:
     """Why two replay workers gained less than hoped, from the run's own figures."""
     w1, w2, contention = r["replay_w1_s"], r["replay_w2_s"], r["replay_w1_s"] / r["replay_w1_cpu_s"]
@@ -312,7 +320,7 @@ def plot(path: Path, doc: dict[str, Any]) -> None:
     axes[0].set_ylim(max(0.0, lo - 2), 100.5)
     axes[1].legend(fontsize=7, loc="lower right", ncol=2)
     fig.suptitle(f"Goodput by MTBF, restart cost {doc['protocol']['restart_cost_s']:.0f} s + measured restart and "
-                 "lost steps (CPU GPT 10.8M, 2-core shared box)", fontsize=10)
+                 f"lost steps ({_where(doc)} GPT 10.8M, {doc['machine']['cpu_count']} CPUs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
