@@ -116,7 +116,7 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     step of a run trained on several ranks (``opt.resume()`` under DDP asks for its own).
 
     ``workers``: replay processes (None: one per CPU this process may use, at most 8, and one for a replay of
-    fewer than 4 steps, which forking workers would slow down; docs/measurements/recovery.md).
+    fewer than 16 steps, which forking workers would slow down; docs/measurements/recovery-short.md).
     Element-wise optimizers replay disjoint shares of the tensors in parallel, bit-identical to one worker; other
     optimizers, devices other than the CPU, and a process running other threads replay in one process
     (``report.mode`` says why). ``options``: replay's block sizes and test seam (:class:`ReplayOptions`; the

@@ -93,7 +93,7 @@ def test_default_is_one_worker_for_a_few_steps(run) -> None:
     rec = lowdiff.recover(root)
     assert rec.report.workers == 1
     if procs.default_workers() > 1:
-        assert rec.report.mode.startswith("sequential (1 step(s) to replay: below 4")
+        assert rec.report.mode.startswith(f"sequential (1 step(s) to replay: below {procs.PARALLEL_MIN_STEPS}")
     assert lowdiff.recover(root, workers=2).report.workers == 2  # asked for: as asked
     assert_state_equal(*refs[9], rec)
 
