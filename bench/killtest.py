@@ -54,6 +54,9 @@ def train_step(model: torch.nn.Module, opt: Any, k: int) -> None:
 
 
 def trainer(run_dir: str, persistence: str) -> None:
+    # A Ctrl-C's KeyboardInterrupt, as in a terminal, even when this script was started in the background by a shell
+    # without job control (which ignores SIGINT for it and its children).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     model, _, opt = make(run_dir, persistence)
     print("START", flush=True)

@@ -4,6 +4,7 @@ kill -9 child process can import them too."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "slow" if SLOW else "ci"))
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # Started in the background by a shell without job control (`cmd &` in a script, nohup), which ignores SIGINT
+    # for it and, through exec, for every process it starts: the tests that send a trainer SIGINT (a Ctrl-C) need
+    # what a terminal gives a program. A handler (not an ignored signal) reverts to the default in exec'd children.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
