@@ -3,6 +3,7 @@ caller, and any number of them gives the one-process result bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -98,15 +99,18 @@ def test_default_is_one_worker_for_a_few_steps(run) -> None:
     assert_state_equal(*refs[9], rec)
 
 
-def test_default_is_one_worker_per_cpu(run, monkeypatch: pytest.MonkeyPatch) -> None:
-    root, refs = run
-    monkeypatch.setattr(procs, "PARALLEL_MIN_STEPS", 1)  # this run's replays are short
-    rec = lowdiff.recover(root)
+def test_default_is_one_worker_per_cpu(tmp_path) -> None:
+    """A replay of PARALLEL_MIN_STEPS steps or more after its snapshot: one worker per CPU."""
+    steps = procs.PARALLEL_MIN_STEPS + 1
+    long = dataclasses.replace(SCENARIO, every_steps=1000)
+    refs = train_run(long, tmp_path / "run", steps).refs
+    rec = lowdiff.recover(tmp_path / "run")
     expected = procs.default_workers()
     assert 1 <= expected <= procs.MAX_DEFAULT_WORKERS
+    assert rec.report.steps_replayed == steps
     assert rec.report.workers == expected or (expected > 1 and 2 <= rec.report.workers < expected)
     assert rec.report.mode == ("parallel" if rec.report.workers > 1 else "sequential")
-    assert_state_equal(*refs[9], rec)
+    assert_state_equal(*refs[steps], rec)
 
 
 def test_state_created_mid_replay_in_a_tensor_split_over_workers(run) -> None:
