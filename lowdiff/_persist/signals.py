@@ -35,3 +35,8 @@ def only_lowdiffs() -> bool:
 
 
 _WATCHED = (int(_signal.SIGTERM), int(_signal.SIGINT))
+
+
+def handler(sig: int) -> Any:
+    """``signal.getsignal(sig)`` without its enum conversion of SIG_DFL and SIG_IGN (asked every step)."""
+    return _signal.getsignal(int(sig))

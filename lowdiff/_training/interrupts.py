@@ -186,7 +186,7 @@ def guard_sigint() -> None:
     """Install lowdiff's SIGINT handler over Python's default one: at ``wrap()``, and at every step, since a
     notebook kernel puts the default back for each cell it runs. A handler of the program's own is left alone."""
     global _int_pid
-    if len(OPEN) and signal.getsignal(signal.SIGINT) is signal.default_int_handler \
+    if len(OPEN) and signals.handler(signal.SIGINT) is signal.default_int_handler \
             and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
         _int_pid = os.getpid()
