@@ -151,8 +151,7 @@ class ProcessWriter:
                 self._alloc.free(aid)
                 self._records -= 1
 
-        slot = Slot(self._ring.buf[offset:offset + nbytes], (ring_id, aid, offset, state), release)
-        return slot
+        return Slot(self._ring.view(offset, nbytes), (ring_id, aid, offset, state), release)
 
     def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot | None:
         """The snapshot arena, for the stager to pack a snapshot into (lowdiff._training.stager.Slots); None when the

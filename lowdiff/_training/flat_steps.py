@@ -18,6 +18,8 @@ from lowdiff._transfer.host_copies import Slot
 from lowdiff._transfer.packing import StepLayout, from_flats, layout_of, region_view
 
 Grads = dict[str, dict[str, torch.Tensor]]
+_TARGETS = "_lowdiff_flat_targets"
+"""The attribute of a slot's buffer that holds the payload targets built on it, with their layout."""
 Planned = tuple[StepLayout, list[torch.Tensor]]
 
 
@@ -65,31 +67,43 @@ class FlatSteps:
         if slot is None:
             return None
         self._preslot = (slot, layout)
+        # Built once per slot buffer and layout: a ring hands out the same buffer tensor for the same range
+        # (lowdiff._transfer.ring.Arena.view), a pool its same buffers; kept on the buffer, so it goes with it.
+        cached = getattr(slot.buf, _TARGETS, None)
+        if cached is not None and cached[0] is layout:
+            return cached[1]
         out = {}
         for r, pieces in enumerate(layout.members):
             if pieces and pieces[0] < len(order):  # the region of a flat begins with it
                 dt = order[pieces[0]]
                 out[dt] = region_view(slot.buf, layout, r, flat=True)[:plan[5][dt]]
+        setattr(slot.buf, _TARGETS, (layout, out))
         return out
 
-    def take_slot(self, planned: Planned | None, grads: Grads) -> tuple[Slot | None, Planned | None, Grads]:
+    def take_slot(self, planned: Planned | None, grads: Grads
+                  ) -> tuple[Slot | None, Planned | None, Grads, bool]:
         """The slot :meth:`targets` handed out, if this step is laid out as it is (the payloads lie in it: packing
-        leaves them in place), with ``planned`` and ``grads``. Otherwise None, and ``planned`` and ``grads`` with
-        what lay in that slot copied out of it, which is given back (a rare step: the parameters with gradients
-        changed)."""
+        leaves them in place), with ``planned`` and ``grads``, and whether every tensor of the step lies in it
+        already (no buffers: nothing to pack). Otherwise None, and ``planned`` and ``grads`` with what lay in that
+        slot copied out of it, which is given back (a rare step: the parameters with gradients changed)."""
         pre, self._preslot = self._preslot, None
         if pre is None:
-            return None, planned, grads
+            return None, planned, grads, False
         slot, layout = pre
         if planned is not None and planned[0] is layout:
-            return slot, planned, grads
+            cached = getattr(slot.buf, _TARGETS, None)
+            targets = cached[1] if cached is not None and cached[0] is layout else {}
+            tensors = planned[1]
+            whole = len(tensors) == len(targets) and all(
+                (to := targets.get(t.dtype)) is not None and t.data_ptr() == to.data_ptr() for t in tensors)
+            return slot, planned, grads, whole
         held = slot.buf
         if planned is not None:
             planned = planned[0], [_own_copy(t, held) for t in planned[1]]
         grads = {n: {f: _own_copy(t, held) for f, t in p.items()} for n, p in grads.items()}
         if slot.release is not None:
             slot.release()
-        return None, planned, grads
+        return None, planned, grads, False
 
     def drop(self) -> None:
         """Give back the slot :meth:`targets` handed out for a step that never got packed (it raised)."""

@@ -193,7 +193,7 @@ class Stager:
     def _pack_step(self, grads: dict[str, dict[str, torch.Tensor]], buffers: dict[str, torch.Tensor],
                    slots: Slots, payloads: StepPayloads | None) -> StepCopies | None:
         planned = self._flat.plan(grads, buffers, payloads) if payloads is not None else None
-        slot, planned, grads = self._flat.take_slot(planned, grads)
+        slot, planned, grads, in_place = self._flat.take_slot(planned, grads)
         if planned is None:
             keys, tensors = keyed(grads, buffers)
             found, _ = self._packer.plan(keys, tensors)
@@ -206,7 +206,7 @@ class Stager:
             slot = slots.alloc(layout.nbytes, pinned=layout.device.type == "cuda" and self.copier.asynchronous)
         if slot is None:  # the persistence process is gone (its error reaches the caller at the next step)
             return None
-        ready = self.copier.pack(layout, tensors, slot.buf)
+        ready = self.copier.pack(layout, tensors if not in_place else None, slot.buf)
         return StepCopies({}, {}, ready, slot.release, PackedStep(slot.buf, layout, slot.handle))
 
     def finish_step(self, copies: StepCopies, step: int, groups: list[dict[str, Any]],

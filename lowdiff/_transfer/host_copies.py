@@ -191,13 +191,16 @@ class HostCopier:
         return out, event, None  # pinned buffers: the caching host allocator reuses them
 
 
-    def pack(self, layout: StepLayout, tensors: list[torch.Tensor], buf: torch.Tensor, kind: str = "step") -> Any:
+    def pack(self, layout: StepLayout, tensors: list[torch.Tensor] | None, buf: torch.Tensor,
+             kind: str = "step") -> Any:
         """Copy ``tensors`` (all on ``layout.device``) into the host buffer ``buf`` as ``layout`` places them; the
         event the copies complete at (None: complete now). On a GPU, with spare device memory, one concatenation
         per region on the training stream (a private copy: live tensors may change at once) and one copy per region
         into ``buf`` on the side stream; ``buf`` should be pinned for the copies to be asynchronous. ``kind``:
-        "step" (a step's record) or "snapshot", for lowdiff.testing.copies_in_flight."""
-        ready = self._pack(layout, tensors, buf, self.snapshot_stream if kind == "snapshot" else self.stream)
+        "step" (a step's record) or "snapshot", for lowdiff.testing.copies_in_flight. ``tensors`` None: they lie
+        in ``buf`` already (a compressor wrote them there), nothing is copied."""
+        ready = None if tensors is None else \
+            self._pack(layout, tensors, buf, self.snapshot_stream if kind == "snapshot" else self.stream)
         return _copy_events(kind) if _copy_events is not None else ready
 
     def _fits(self, nbytes: int) -> bool:

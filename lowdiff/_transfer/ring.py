@@ -24,6 +24,9 @@ ALIGN = 64
 """Every allocation and every dtype region starts on a multiple of this many bytes (views of any dtype are aligned)."""
 
 
+_MAX_VIEWS = 1024
+
+
 class Arena:
     """``nbytes`` of shared memory as a flat uint8 tensor (``buf``); ``fd`` is what the other process maps."""
 
@@ -38,6 +41,18 @@ class Arena:
         self.pinned = False
         """Registration with CUDA was tried (:meth:`pin`)."""
         self._registered = False
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``buf[offset:offset + nbytes]``, the same tensor each time for the same range: a ring's records of one
+        size come back to the same offsets, and their consumers (lowdiff._training.flat_steps) cache what they
+        built on a slot by its tensor."""
+        v = self._views.get((offset, nbytes))
+        if v is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            v = self._views[(offset, nbytes)] = self.buf[offset:offset + nbytes]
+        return v
 
     def pin(self) -> None:
         """Register the mapping with CUDA as pinned memory, so copies from a GPU into it run asynchronously. If
@@ -54,6 +69,7 @@ class Arena:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
             self._registered = False
         self.buf = torch.empty(0, dtype=torch.uint8)
+        self._views.clear()
         try:
             self._map.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with the process

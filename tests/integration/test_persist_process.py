@@ -408,27 +408,30 @@ def test_parameters_with_gradients_changing_every_step_are_exact(tmp_path: Path)
         assert all(torch.equal(v, rec.model[n]) for n, v in refs[k].items()), k
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["no-buffers", "batchnorm"])
 @pytest.mark.parametrize("persistence", ["thread", "process"])
 @pytest.mark.parametrize("compressor", ["topk", "powersgd"])
 def test_payloads_written_into_the_writers_slot_are_exact_through_layout_changes(tmp_path: Path, compressor: str,
-                                                                                persistence: str) -> None:
+                                                                                persistence: str, norm: bool) -> None:
     """On the CPU the compressor writes a step's payloads straight into a writer slot laid out as the step before
     (nothing is copied to pack them). Steps whose parameters with gradients change (a branch left out for a few
     steps) are copied out of that slot into one of their own, and a step that raises after the slot was handed out
     (a sparse gradient) gives it back: every step recovers exactly, and the ring never runs out (a leaked slot a step
-    would fill it long before the end; after a flush none is held)."""
+    would fill it long before the end; after a flush none is held). A BatchNorm's running statistics change every
+    step (``norm``): a step whose payloads lie in the slot already still has its buffers packed beside them."""
     from lowdiff.errors import UnsupportedError
 
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 32), "b": torch.nn.Linear(32, 32)})
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 32), "b": torch.nn.Linear(32, 32),
+                                 "n": torch.nn.BatchNorm1d(32)})
     opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=0.01), model, {
         "run_dir": str(tmp_path / "run"), "compressor": {"name": compressor, "ratio": 0.1, "rank": 2},
         "snapshot": {"every_steps": 1000}, "log": {"batch_steps": 4, "persistence": persistence}})
     refs, k = {}, 0
     for i in range(90):
-        x = torch.full((3, 32), (i % 7) / 7.0)
+        x = torch.full((3, 32), (i % 7) / 7.0) + torch.arange(3.0)[:, None]
         both = (i // 5) % 3 != 2  # runs of 5 steps: both branches twice, then branch a alone
-        (model["a"](x) + (model["b"](x) if both else 0)).pow(2).mean().backward()
+        (model["a"](model["n"](x) if norm else x) + (model["b"](x) if both else 0)).pow(2).mean().backward()
         if i in (23, 24):
             bias = model["a"].bias
             assert bias.grad is not None
