@@ -22,6 +22,8 @@ Data loaders and samplers are the exception: the next iteration draws its batch 
 from __future__ import annotations
 
 import logging
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +136,38 @@ def decode_groups(groups: list[dict[str, Any]], device: str | None = None) -> li
     return [{k: v for k, v in decode_value(g, device).items() if k != "params"} for g in groups]
 
 
+class GroupEncoder:
+    """``encode_groups`` of an optimizer's groups, encoded again only when a hyperparameter changed: a step encodes
+    them twice (as its step began, and as its iteration ended), and most steps change none, or one (a scheduler's
+    ``lr``). A group is taken as unchanged when every value is the very object encoded last time and each of those
+    is immutable (numbers, strings, None and tuples of them); a tensor, list or dict (which may change in place)
+    is encoded every time. The list returned is then the same object: records share it, and nothing mutates it."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[tuple[str, ...], tuple[Any, ...]]] | None = None
+        self._encoded: list[dict[str, Any]] = []
+
+    def encode(self, groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        seen = self._seen
+        if seen is not None and len(seen) == len(groups):
+            for (keys, values), g in zip(seen, groups):
+                if keys != tuple(g) or not all(map(operator.is_, values, g.values())):
+                    break
+            else:
+                return self._encoded
+        encoded = encode_groups(groups)  # raises for a value that cannot be logged: nothing is remembered
+        self._encoded = encoded
+        self._seen = [(tuple(g), tuple(g.values())) for g in groups] \
+            if all(_immutable(v) for g in groups for k, v in g.items() if k != "params") else None
+        return encoded
+
+
+def _immutable(v: Any) -> bool:
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    return type(v) is tuple and all(_immutable(x) for x in v)
+
+
 @dataclass
 class Pending:
     """A step staged by ``opt.step()`` whose iteration has not ended yet."""
@@ -154,6 +188,8 @@ class IterationEnd:
         self.checkpointer = checkpointer
         self.pending: Pending | None = None
         self._called: set[int] = set()
+        self.groups = GroupEncoder()
+        """The optimizer's groups encoded (shared with ``opt.step()``, which encodes them as a step begins)."""
 
     def hold(self, pending: Pending) -> None:
         assert self.pending is None, "the previous iteration was not sealed"
@@ -177,7 +213,7 @@ class IterationEnd:
         if errors:
             return  # raised when the iteration ends
         try:
-            end_groups = encode_groups(self.optimizer.param_groups)
+            end_groups = self.groups.encode(self.optimizer.param_groups)
         except UnsupportedError:
             return
         self.checkpointer.on_end_known(p.record, {**p.record.item.data, **end}, end_groups)
@@ -208,7 +244,7 @@ class IterationEnd:
         end, errors = self.tracker.state(AT_END)
         # Raises for a hyperparameter that cannot be logged: the iteration stays held (its record and snapshot
         # with it, nothing leaks), and the next opt.step() seals it again.
-        end_groups = encode_groups(self.optimizer.param_groups)
+        end_groups = self.groups.encode(self.optimizer.param_groups)
         self.pending = None
         rec = p.record.item
         rec.data = {**rec.data, **end}

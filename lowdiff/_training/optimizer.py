@@ -16,7 +16,6 @@ import torch
 from lowdiff._compressors import Payload
 from lowdiff._compressors.base import StepPayloads
 from lowdiff._persist.checkpointer import CheckpointStats, LayerwiseStats
-from lowdiff._storage.format import encode_groups
 from lowdiff._training import fsdp, interrupts, lifecycle
 from lowdiff._training.ddp import calling_scaler, unscaled_by
 from lowdiff._training.iteration import AT_END, AT_STEP, Pending, is_grad_scaler
@@ -269,7 +268,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             t_stage = time.perf_counter()
             copies = self._run.stager.copy_step(grads, ckpt.slots, payloads)
             stage_s = time.perf_counter() - t_stage
-        groups = encode_groups(self.inner.param_groups)
+        groups = self._run.iteration.groups.encode(self.inner.param_groups) if self._run.iteration else []
         out = self.inner.step()
         # compress + decode + inner step, staging excluded: the tuner's estimate of one replayed step.
         apply_s = time.perf_counter() - t_apply - stage_s
@@ -372,7 +371,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         step = self._loop.step + 1
         if self._run.checkpointer is not None:
             copies = self._run.stager.copy_step({})  # only the buffers its forward pass changed
-            groups = encode_groups(self.inner.param_groups)
+            assert self._run.iteration is not None
+            groups = self._run.iteration.groups.encode(self.inner.param_groups)
             self._hold(self._run.stager.finish_step(copies, step, groups, data, skipped=True), None)
         self._loop.step = step
         if self._loop.memory_step == step - 1:  # the memory of the skipped iteration is still the last step's
