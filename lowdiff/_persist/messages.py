@@ -217,7 +217,8 @@ def whole(io: Any, *args: Any) -> Any:
 def rng_bytes(rng: dict[str, Any]) -> dict[str, bytes]:
     """A record's or snapshot's RNG states as a message carries them (the persistence process turns them back into
     tensors): the bytes they were captured as, when the states are still those of a capture."""
-    raw = getattr(rng, "raw", None)
-    if raw is not None and raw.keys() == rng.keys():
+    unchanged_raw = getattr(rng, "unchanged_raw", None)  # lowdiff.rng.Captured
+    raw = unchanged_raw() if unchanged_raw is not None else None
+    if raw is not None:
         return raw
     return {k: v.numpy().tobytes() for k, v in rng.items()}

@@ -21,13 +21,11 @@ i.e. exactly what the forward pass of step k+1 starts from. With ``world_size > 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import random
 import struct
-import sys
-from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +41,8 @@ from lowdiff._storage.tensors import (
     RNG_PYTHON_NBYTES,
     RNG_TORCH,
 )
-from lowdiff.errors import CorruptFileError, UnsupportedError
+from lowdiff.errors import CorruptFileError
+from lowdiff.rng._direct import PYTHON_WORDS, numpy_bytes, python_state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ NUMPY_NBYTES, PYTHON_NBYTES = RNG_NUMPY_NBYTES, RNG_PYTHON_NBYTES
 _MT_WORDS = MT_WORDS
 _NUMPY_TAIL = NUMPY_TAIL
 _PYTHON_TAIL = PYTHON_TAIL
-_PYTHON_WORDS = struct.Struct(f"<{_MT_WORDS + 1}I")
+_PYTHON_WORDS = PYTHON_WORDS
 
 
 def current_rank() -> int | None:
@@ -82,210 +81,90 @@ def _bytes_tensor(buf: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8)
 
 
-def _numpy_bytes() -> bytes:
-    raw = _NUMPY_READER.read()
-    return raw if raw is not None else _legacy_bytes(np.random.get_state(legacy=True))
-
-
-def _legacy_bytes(state: object) -> bytes:
-    """A ``RandomState.get_state(legacy=True)`` tuple in the NUMPY layout (FORMAT.md §7)."""
-    name, key, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", state)
-    if name != "MT19937" or key.shape != (_MT_WORDS,):
-        raise UnsupportedError(f"numpy's global generator is {name}; lowdiff records MT19937 only")
-    return key.astype("<u4").tobytes() + _NUMPY_TAIL.pack(int(pos), int(has_gauss), float(cached))
-
-
-_GAUSS = struct.Struct("<i4xd")  # numpy's aug_bitgen_t after its bitgen pointer: int has_gauss, double gauss
-
-
-class _DirectReader:
-    """Reads a generator's state straight from its memory instead of through ``get_state()`` / ``getstate()``,
-    which build a Python object per state word (624 of them): 30-70 us per step on a fast training step, where
-    the direct read is one or two memory copies. Subclasses say where the bytes lie; the layout is trusted only
-    after reads of a private generator matched the documented call through varied states, and every CHECK_EVERY
-    reads of the global one are compared with it again; any doubt (another interpreter or numpy, a big-endian
-    machine, a replaced generator, a mismatch) falls back to the documented call for good."""
-
-    CHECK_EVERY = 512
-    what = ""
-
-    def __init__(self) -> None:
-        self._offset: int | None = None
-        self._tried = False
-        self._reads = 0
-
-    def read(self) -> bytes | None:
-        """The global generator's state in its FORMAT.md layout, or None: use the documented call."""
-        if not self._tried:
-            self._tried = True
-            if sys.byteorder == "little" and ctypes.sizeof(ctypes.c_void_p) == 8 \
-                    and sys.implementation.name == "cpython":
-                try:
-                    self._offset = self._find_offset()
-                except Exception as e:  # any surprise in the internals: the documented way stays
-                    log.debug("lowdiff: reading %s directly is not possible here (%s)", self.what, e)
-        offset = self._offset  # once: another thread may give the direct read up meanwhile
-        if offset is None:
-            return None
-        gen = self._global()
-        if gen is None:
-            return None
-        raw = self._read(gen, offset)
-        self._reads += 1
-        if self._reads % self.CHECK_EVERY == 1 and not self._agrees(gen, offset):
-            log.error("lowdiff: reading %s directly disagreed with its documented state; using that from now on",
-                      self.what)
-            self._offset = None
-            return None
-        return raw
-
-    def _agrees(self, gen: object, offset: int) -> bool:
-        """The direct read equals the documented call. Another thread may draw between the two, so a difference
-        is looked at again before it counts."""
-        for _ in range(3):
-            if self._read(gen, offset) == self._documented(gen):
-                return True
-        return False
-
-    def _global(self) -> object | None:
-        raise NotImplementedError
-
-    def _read(self, gen: object, offset: int) -> bytes:
-        raise NotImplementedError
-
-    def _documented(self, gen: object) -> bytes:
-        raise NotImplementedError
-
-    def _find_offset(self) -> int | None:
-        raise NotImplementedError
-
-
-class _NumpyReader(_DirectReader):
-    """numpy's global ``RandomState``: its key and pos lie in the bit generator's C struct
-    (``ctypes.state_address``: 624 x uint32 key, int pos), the legacy gaussian cache in the ``RandomState`` object
-    itself (``aug_bitgen_t {bitgen_t *; int has_gauss; double gauss}``, at an offset found once by looking for the
-    pointer to the object's own bitgen)."""
-
-    what = "numpy's generator state"
-
-    def _global(self) -> object | None:
-        rs = getattr(np.random.get_state, "__self__", None)  # the generator np.random's functions draw from
-        if type(rs) is not np.random.RandomState or type(rs._bit_generator) is not np.random.MT19937:
-            return None
-        return rs
-
-    _views: tuple[Any, ...] = (None,)
-    """(generator, its bit generator, the lock, ctypes arrays over its key and pos and over its gaussian cache):
-    built once per generator, so a read is two buffer copies without a foreign-function call (the generator is
-    kept alive by this reference, so its memory stays where the arrays point)."""
-
-    def _read(self, gen: object, offset: int) -> bytes:
-        rs = cast(np.random.RandomState, gen)
-        views = self._views
-        if views[0] is not rs or views[1] is not rs._bit_generator or views[2] != offset:
-            bitgen = rs._bit_generator
-            views = self._views = (rs, bitgen, offset, bitgen.lock,
-                                   (ctypes.c_char * (_MT_WORDS * 4 + 4)).from_address(bitgen.ctypes.state_address),
-                                   (ctypes.c_char * _GAUSS.size).from_address(id(rs) + offset + 8))
-        with views[3]:  # the lock RandomState draws under
-            key_pos, gauss_raw = views[4].raw, views[5].raw
-        has_gauss, gauss = _GAUSS.unpack(gauss_raw)
-        pos = int.from_bytes(key_pos[-4:], sys.byteorder, signed=True)
-        return key_pos[:-4] + _NUMPY_TAIL.pack(pos, has_gauss, gauss)
-
-    def _documented(self, gen: object) -> bytes:
-        get_state = np.random.get_state  # the global generator's through np.random, as a user's code sees it
-        if getattr(get_state, "__self__", None) is not gen:
-            get_state = cast(np.random.RandomState, gen).get_state
-        return _legacy_bytes(get_state(legacy=True))
-
-    def _find_offset(self) -> int | None:
-        probe = np.random.RandomState(12345)
-        size = type(probe).__basicsize__
-        base = id(probe)
-        found = [o for o in range(0, size - 24, 8)
-                 if base < (ctypes.c_void_p.from_address(base + o).value or 0) < base + size]
-        if len(found) != 1:
-            return None
-        for draws in (0, 1, 2, 3, 700):  # an odd number of normals leaves a cached gaussian
-            probe.standard_normal(draws)
-            if self._read(probe, found[0]) != self._documented(probe):
-                return None
-        return found[0]
-
-
-class _PythonReader(_DirectReader):
-    """The ``random`` module's generator: CPython's ``RandomObject {PyObject_HEAD; int index; uint32_t
-    state[624]}`` (the offset of ``index`` found once, right after the object header, and trusted only once
-    reads matched ``getstate()``), with ``gauss_next`` from the Python-level object."""
-
-    what = "Python's random state"
-
-    def _global(self) -> object | None:
-        inst = getattr(random.getstate, "__self__", None)  # the generator random's functions draw from
-        return inst if type(inst) is random.Random else None
-
-    _views: tuple[Any, ...] = (None,)
-    """(generator, offset, a ctypes array over its index and state words), built once per generator."""
-
-    def _read(self, gen: object, offset: int) -> bytes:
-        r = cast(random.Random, gen)
-        views = self._views
-        if views[0] is not r or views[1] != offset:
-            views = self._views = (r, offset, (ctypes.c_char * (4 + _MT_WORDS * 4)).from_address(id(r) + offset))
-        index_state = views[2].raw  # holding the GIL: no draw interleaves
-        gauss_next = r.gauss_next  # type: ignore[attr-defined]  # set by Random.__init__, not in the stubs
-        return index_state[4:] + index_state[:4] + _PYTHON_TAIL.pack(gauss_next is not None,
-                                                                     0.0 if gauss_next is None else gauss_next)
-
-    def _documented(self, gen: object) -> bytes:
-        getstate = random.getstate if getattr(random.getstate, "__self__", None) is gen else \
-            cast(random.Random, gen).getstate
-        return _python_bytes(getstate())
-
-    def _find_offset(self) -> int | None:
-        if not getattr(sys, "_is_gil_enabled", lambda: True)():
-            return None  # free-threaded: another thread's draw may interleave with the copy (numpy's has a lock)
-        probe = random.Random(12345)
-        offset = object.__basicsize__  # PyObject_HEAD; its size differs on free-threaded builds
-        if type(probe).__basicsize__ < offset + 4 + _MT_WORDS * 4:
-            return None
-        for draws, gauss in ((0, False), (1, False), (623, True), (624, False), (1000, True)):
-            for _ in range(draws):
-                probe.random()
-            if gauss:
-                probe.gauss(0.0, 1.0)  # leaves gauss_next set
-            if self._read(probe, offset) != self._documented(probe):
-                return None
-        return offset
-
-
-_NUMPY_READER = _NumpyReader()
-_PYTHON_READER = _PythonReader()
-
-
-def _python_bytes(state: tuple[int, tuple[int, ...], float | None]) -> bytes:
-    version, words, gauss_next = state
-    if version != 3 or len(words) != _MT_WORDS + 1:
-        raise UnsupportedError(f"python random state version {version} with {len(words)} words is not supported")
-    tail = _PYTHON_TAIL.pack(gauss_next is not None, 0.0 if gauss_next is None else float(gauss_next))
-    return _PYTHON_WORDS.pack(*words) + tail
-
-
-def _python_state_bytes() -> bytes:
-    raw = _PYTHON_READER.read()
-    return raw if raw is not None else _python_bytes(random.getstate())
-
-
 class Captured(dict[str, torch.Tensor]):
-    """What :func:`capture` returns: the states as tensors, and ``raw``, the same bytes (what a message to the
-    persistence process carries, without going back from the tensors)."""
+    """What :func:`capture_raw` returns: the states as tensors, and ``raw``, the same bytes (what a message to the
+    persistence process carries, without going back from the tensors).
 
-    __slots__ = ("raw",)
+    The tensors are made on first use (most captures never need them: a step's record sends the bytes): every way
+    of reading or changing the mapping makes them first. Copying or pickling gives a plain dict."""
+
+    __slots__ = ("raw", "_made", "_changed")
 
     def __init__(self, raw: dict[str, bytes]) -> None:
-        super().__init__((k, _bytes_tensor(v)) for k, v in raw.items())
+        super().__init__()
         self.raw = raw
+        self._made = False
+        self._changed = False
+
+    def unchanged_raw(self) -> dict[str, bytes] | None:
+        """``raw`` while the mapping holds exactly the states captured (nothing set or removed since), else None."""
+        return None if self._changed else self.raw
+
+    def _make(self) -> None:
+        if not self._made:
+            self._made = True
+            dict.update(self, ((k, _bytes_tensor(v)) for k, v in self.raw.items()))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self._make()
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._make()
+        return dict.get(self, key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return dict.__iter__(self) if self._made else iter(self.raw)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) if self._made else len(self.raw)
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) if self._made else key in self.raw
+
+    def keys(self) -> Any:
+        self._make()
+        return dict.keys(self)
+
+    def values(self) -> Any:
+        self._make()
+        return dict.values(self)
+
+    def items(self) -> Any:
+        self._make()
+        return dict.items(self)
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        return dict(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        self._make()
+        return dict.__eq__(self, other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        self._make()
+        return dict.__repr__(self)
+
+    def __reduce__(self) -> Any:
+        return dict, (self.copy(),)
+
+
+def _changing(name: str) -> Any:
+    op = getattr(dict, name)
+
+    def method(self: Captured, *args: Any, **kwargs: Any) -> Any:
+        self._make()
+        self._changed = True
+        return op(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "setdefault", "update", "clear"):
+    setattr(Captured, _name, _changing(_name))
 
 
 def capture(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> dict[str, torch.Tensor]:
@@ -302,8 +181,8 @@ def capture_raw(rank: int | None = None, cuda_devices: Iterable[int] = ()) -> Ca
     raw = {p + TORCH: torch.get_rng_state().numpy().tobytes()}
     for index in cuda_devices:
         raw[f"{p}{CUDA_PREFIX}{index}"] = torch.cuda.get_rng_state(index).cpu().numpy().tobytes()
-    raw[p + NUMPY] = _numpy_bytes()
-    raw[p + PYTHON] = _python_state_bytes()
+    raw[p + NUMPY] = numpy_bytes()
+    raw[p + PYTHON] = python_state_bytes()
     return Captured(raw)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import pickle
 import random
 import sys
 import types
@@ -143,6 +145,33 @@ def test_capture_raw_keeps_the_bytes_it_made_its_tensors_from_and_capture_saves_
     torch.save(lowdiff_rng.capture(), tmp_path / "rng.pt")  # loads with torch.load's default weights_only=True
     loaded = torch.load(tmp_path / "rng.pt")
     assert type(loaded) is dict and loaded.keys() == raw.keys()
+
+
+def test_capture_raw_makes_its_tensors_on_first_use_and_reads_as_a_dict_every_way() -> None:
+    """The tensors of a capture are made when first read (a step's record sends the bytes, so most are never
+    made); every way of reading the mapping sees them, copies and pickles are plain dicts, and a change to the
+    mapping stops its bytes from standing for it (lowdiff._persist.messages sends them as the record's state)."""
+    raw = lowdiff_rng.capture_raw().raw
+    views = {
+        "dict()": lambda s: dict(s), "unpacking": lambda s: {**s}, "copy()": lambda s: s.copy(),
+        "items()": lambda s: dict(s.items()), "[]": lambda s: {k: s[k] for k in raw},
+        "get()": lambda s: {k: s.get(k) for k in raw}, "pickle": lambda s: pickle.loads(pickle.dumps(s)),
+        "copy.copy": copy.copy, "deepcopy": copy.deepcopy,
+        "values()": lambda s: dict(zip(raw, s.values())),
+    }
+    for how, view in views.items():
+        state = lowdiff_rng.Captured(dict(raw))
+        assert len(state) == len(raw) and list(state) == list(raw) and all(k in state for k in raw), how
+        got = view(state)
+        assert type(got) is dict and list(got) == list(raw), how
+        assert all(bytes(got[k].numpy()) == v for k, v in raw.items()), how
+        assert state.unchanged_raw() is state.raw, how
+    state = lowdiff_rng.Captured(dict(raw))
+    state["extra"] = torch.zeros(1, dtype=torch.uint8)
+    assert state.unchanged_raw() is None and list(state) == [*raw, "extra"] and len(state) == len(raw) + 1
+    state = lowdiff_rng.Captured(dict(raw))
+    del state[next(iter(raw))]
+    assert state.unchanged_raw() is None and len(state) == len(raw) - 1
 
 
 FAST_READS_EXPECTED = (sys.byteorder == "little" and sys.maxsize > 2**32 and sys.implementation.name == "cpython"
