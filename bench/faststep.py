@@ -79,12 +79,14 @@ class Twin:
 
     def _own(self) -> float:
         c = self.cpu
-        return c["step"] + c["zero_grad"] - c["compress"] - c["inner"]
+        return c["step"] + c["zero_grad"] - c["compress"] - c["inner"] - c["inner_zero_grad"]
 
     def instrument(self) -> None:
-        """Count training-thread CPU in ``opt.step()``, ``opt.zero_grad()``, the compressor and the inner step
-        (``time.thread_time()``), to attribute what lowdiff itself spends apart from the work both twins do."""
-        self.cpu = {"step": 0.0, "zero_grad": 0.0, "compress": 0.0, "inner": 0.0}
+        """Count training-thread CPU in ``opt.step()``, ``opt.zero_grad()``, the compressor, the inner step and the
+        inner ``zero_grad()`` (``time.thread_time()``), to attribute what lowdiff itself spends apart from the work
+        both twins do. torch's ``zero_grad`` frees the gradients (tens of MB: page unmapping), whose CPU time varies
+        by milliseconds from step to step; it is torch's work, subtracted like the inner step."""
+        self.cpu = {"step": 0.0, "zero_grad": 0.0, "compress": 0.0, "inner": 0.0, "inner_zero_grad": 0.0}
         self.cpu_steps = 0
         self.own_steps: list[tuple[float, bool]] = []
 
@@ -104,9 +106,11 @@ class Twin:
         timed(self.opt, "zero_grad", "zero_grad")
         timed(self.opt.compressor, "compress_decode", "compress")
         timed(self.opt.inner, "step", "inner")
+        timed(self.opt.inner, "zero_grad", "inner_zero_grad")
 
     def own_cpu_s(self) -> float:
-        """lowdiff's own training-thread CPU per instrumented step: step + zero_grad - compression - inner step."""
+        """lowdiff's own training-thread CPU per instrumented step: step + zero_grad - compression - inner step -
+        inner zero_grad."""
         return self._own() / max(self.cpu_steps or 0, 1)
 
     def own_steady_s(self) -> float:
@@ -222,7 +226,9 @@ def markdown(res: dict[str, Any]) -> str:
         f"{BG_NOTE if res.get('copy', 'inline') != 'inline' else ''}, batch_steps "
         f"{res['batch_steps']}; Top-k ratio 0.01, PowerSGD rank 4. {res['rounds']} rounds of interleaved "
         f"{res['window']}-step windows after {res['warmup']} warm-up steps per twin; each window ends with an "
-        "untimed `opt.flush()`.",
+        "untimed `opt.flush()`"
+        + (" and, as long as the snapshot interval, holds one snapshot step." if res['window'] == res['every_steps']
+           else "."),
         "",
         f"Machine: {res['cpus']} CPUs ({res['machine']}), shared with other jobs; load average (1, 5, 15 min) "
         f"{', '.join(f'{x:.2f}' for x in res['load_before'])} before and "
@@ -232,7 +238,8 @@ def markdown(res: dict[str, Any]) -> str:
         "quartiles and the range over rounds. Added CPU: training-thread `time.thread_time()` per step minus the "
         "`off` twin's in the same round (median, and quartiles, over rounds). lowdiff's own CPU: from a separate "
         f"instrumented pass ({res.get('attribution_rounds', 0)} interleaved rounds), the training thread's CPU in "
-        "`opt.step()` and `opt.zero_grad()` minus the compressor's and the inner optimizer step's, minus the same "
+        "`opt.step()` and `opt.zero_grad()` minus the compressor's and the inner optimizer's `step()` and "
+        "`zero_grad()` (torch's freeing of the gradients, whose CPU time swings by milliseconds), minus the same "
         "for the `off` twin: the work lowdiff itself adds, without the slowdown of shared work by the writer on the "
         "other core that the added CPU also contains; over all the pass's steps (snapshot steps included: their "
         "copy of the state is on the training thread unless `snapshot.background_copy`), and the median over its "
@@ -290,7 +297,9 @@ def main() -> None:
     # Many short windows: with 8 windows of 32 steps, one run's medians swung by 10-20 points on the shared
     # machine (a round's ratio ranged from -32 % to +43 %); quartiles over 24 rounds say how stable a median is.
     ap.add_argument("--rounds", type=int, default=24)
-    ap.add_argument("--window", type=int, default=16)
+    # A window as long as the snapshot interval holds exactly one snapshot step (a 16-step window held one or none,
+    # a swing of ~1 point of step time from window to window on the 10.8M model).
+    ap.add_argument("--window", type=int, help="steps per window (default: --every-steps)")
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--attribution-rounds", type=int, default=8,
                     help="rounds of the instrumented pass that attributes lowdiff's own CPU")
@@ -315,6 +324,7 @@ def main() -> None:
         args.rounds, args.window, args.warmup, args.blocks, args.attribution_rounds = 2, 4, 6, 4, 2
         args.batch_steps, args.every_steps = 3, 5
         args.docs = args.out_dir / "faststep.md"
+    args.window = args.window or args.every_steps
     res = run(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.out_name}.json").write_text(json.dumps(res, indent=1))
