@@ -141,6 +141,19 @@ class Captured(dict[str, torch.Tensor]):
         self._make()
         return dict.__eq__(self, other)
 
+    def __ne__(self, other: object) -> bool:
+        self._make()
+        return dict.__ne__(self, other)
+
+    def __or__(self, other: Any) -> Any:
+        return dict(self.items()) | other
+
+    def __ror__(self, other: Any) -> Any:
+        return other | dict(self.items())
+
+    def __reversed__(self) -> Iterator[str]:
+        return reversed(list(self))
+
     __hash__ = None
 
     def __repr__(self) -> str:

@@ -157,7 +157,8 @@ def test_capture_raw_makes_its_tensors_on_first_use_and_reads_as_a_dict_every_wa
         "items()": lambda s: dict(s.items()), "[]": lambda s: {k: s[k] for k in raw},
         "get()": lambda s: {k: s.get(k) for k in raw}, "pickle": lambda s: pickle.loads(pickle.dumps(s)),
         "copy.copy": copy.copy, "deepcopy": copy.deepcopy,
-        "values()": lambda s: dict(zip(raw, s.values())),
+        "values()": lambda s: dict(zip(raw, s.values())), "|": lambda s: s | {}, "| (right)": lambda s: {} | s,
+        "reversed()": lambda s: {k: s[k] for k in reversed(list(reversed(s)))},
     }
     for how, view in views.items():
         state = lowdiff_rng.Captured(dict(raw))
