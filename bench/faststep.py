@@ -49,9 +49,9 @@ def make_model(blocks: int, width: int, seed: int) -> torch.nn.Module:
 
 class Twin:
     def __init__(self, comp: str, persistence: str | None, args: argparse.Namespace, work: Path,
-                 background: bool = False) -> None:
-        self.comp, self.persistence = comp, persistence
-        self.name = f"{comp}-{persistence or 'off'}{'-bg' if background else ''}"
+                 background: bool = False, aa: bool = False) -> None:
+        self.comp, self.persistence, self.aa = comp, persistence, aa
+        self.name = f"{comp}-{persistence or 'off'}{'-bg' if background else ''}{'-aa' if aa else ''}"
         self.model = make_model(args.blocks, args.width, seed=0)
         inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.opt = lowdiff.wrap(inner, self.model, {
@@ -149,6 +149,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     copies = {"inline": [False], "background": [True], "both": [False, True]}[args.copy]
     twins = [Twin(c, None, args, work) for c in args.compressors]
     twins += [Twin(c, p, args, work, bg) for c in args.compressors for p in args.persistence for bg in copies]
+    twins += [Twin(c, None, args, work, aa=True) for c in args.compressors if args.aa]
     for t in twins:  # warm-up: the persistence process starts, the first snapshot allocates its buffers
         for _ in range(args.warmup):
             t.step()
@@ -171,13 +172,13 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             t.opt.flush()
     rows = []
     for t in twins:
-        if t.persistence is None:
+        if t.persistence is None and not t.aa:
             continue
-        off = next(o for o in twins if o.comp == t.comp and o.persistence is None)
+        off = next(o for o in twins if o.comp == t.comp and o.persistence is None and not o.aa)
         ratio = [w["step_s"] / o["step_s"] for w, o in zip(t.windows, off.windows)]
         added_cpu = [w["cpu_s"] - o["cpu_s"] for w, o in zip(t.windows, off.windows)]
         st = t.opt.stats
-        rows.append({"mode": t.name, "compressor": t.comp, "persistence": t.persistence,
+        rows.append({"mode": t.name, "compressor": t.comp, "persistence": t.persistence, "aa": t.aa,
                      "step_ms": 1e3 * statistics.median(w["step_s"] for w in t.windows),
                      "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off.windows),
                      "overhead": statistics.median(ratio) - 1.0,
@@ -263,9 +264,17 @@ def markdown(res: dict[str, Any]) -> str:
                      + (f" / {r['own_steady_ms']:+.2f}" if "own_steady_ms" in r else "") + " | "
                      + (f"{r['writer_cpu_ms']:.2f} | " if "writer_cpu_ms" in r else "| ")
                      + f"{r['flush_ms']:.1f} | {r['blocked_s']:.2f} |")
-    met = [r["mode"] for r in res["rows"] if 100 * r["overhead"] <= BARS[r["mode"].split("-")[0]]]
-    missed = [r["mode"] for r in res["rows"] if r["mode"] not in met]
-    steady = [r for r in res["rows"] if "own_steady_ms" in r and r["compressor"] in ("topk", "powersgd")]
+    rows = [r for r in res["rows"] if not r.get("aa")]
+    met = [r["mode"] for r in rows if 100 * r["overhead"] <= BARS[r["mode"].split("-")[0]]]
+    missed = [r["mode"] for r in rows if r["mode"] not in met]
+    steady = [r for r in rows if "own_steady_ms" in r and r["compressor"] in ("topk", "powersgd")]
+    aa = [r for r in res["rows"] if r.get("aa")]
+    if aa:
+        lines += ["", "A/A (`--aa`): a second `enabled: false` twin of the same compressor measured against the first "
+                  "in the same rounds, by the same arithmetic; lowdiff is in neither, so its figures are this "
+                  "machine's noise floor for the rows above: " + ", ".join(
+                      f"{r['mode']} overhead {100 * r['overhead']:+.1f} % (quartiles {100 * r['overhead_q1']:+.1f} "
+                      f".. {100 * r['overhead_q3']:+.1f}), own CPU {r['own_steady_ms']:+.2f} ms" for r in aa) + "."]
     if steady:
         lines += ["", "Against issue 35's bars (Top-k and PowerSGD): lowdiff's own training-thread CPU in a "
                   "steady-state step <= 0.5 ms: " + ", ".join(f"{r['mode']} {r['own_steady_ms']:+.2f} ms "
@@ -311,6 +320,8 @@ def main() -> None:
     ap.add_argument("--copy", choices=("inline", "background", "both"), default="inline",
                     help="snapshot.background_copy off, on (modes named -bg), or twins of both in the same rounds")
     ap.add_argument("--compressors", nargs="+", default=list(COMPRESSORS), choices=COMPRESSORS)
+    ap.add_argument("--aa", action="store_true",
+                    help="an A/A row per compressor: a second enabled: false twin against the first (the noise floor)")
     ap.add_argument("--persistence", nargs="+", default=list(PERSISTENCE), choices=PERSISTENCE)
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "measurements" / "faststep.md")
