@@ -29,7 +29,8 @@ class FlatSteps:
         # payloads do not lie that way, the flats' sizes)
         self._plan: tuple[int, list[str], list[torch.Size], list[torch.dtype],
                           tuple[StepLayout, list[torch.dtype]] | None, dict[torch.dtype, int]] | None = None
-        self._preslot: tuple[Slot, StepLayout] | None = None  # the slot targets() handed the compressor
+        # the slot targets() handed the compressor, its layout and the targets
+        self._preslot: tuple[Slot, StepLayout, dict[torch.dtype, torch.Tensor]] | None = None
 
     def plan(self, grads: Grads, buffers: dict[str, torch.Tensor], payloads: StepPayloads) -> Planned | None:
         """The layout of a step whose payloads lie in the compressor's flats, and the tensors to pack by it: the
@@ -66,18 +67,19 @@ class FlatSteps:
         slot = slots.alloc(layout.nbytes, pinned=False)
         if slot is None:
             return None
-        self._preslot = (slot, layout)
         # Built once per slot buffer and layout: a ring hands out the same buffer tensor for the same range
         # (lowdiff._transfer.ring.Arena.view), a pool its same buffers; kept on the buffer, so it goes with it.
         cached = getattr(slot.buf, _TARGETS, None)
         if cached is not None and cached[0] is layout:
-            return cached[1]
-        out = {}
-        for r, pieces in enumerate(layout.members):
-            if pieces and pieces[0] < len(order):  # the region of a flat begins with it
-                dt = order[pieces[0]]
-                out[dt] = region_view(slot.buf, layout, r, flat=True)[:plan[5][dt]]
-        setattr(slot.buf, _TARGETS, (layout, out))
+            out = cached[1]
+        else:
+            out = {}
+            for r, pieces in enumerate(layout.members):
+                if pieces and pieces[0] < len(order):  # the region of a flat begins with it
+                    dt = order[pieces[0]]
+                    out[dt] = region_view(slot.buf, layout, r, flat=True)[:plan[5][dt]]
+            setattr(slot.buf, _TARGETS, (layout, out))
+        self._preslot = (slot, layout, out)
         return out
 
     def take_slot(self, planned: Planned | None, grads: Grads
@@ -89,10 +91,8 @@ class FlatSteps:
         pre, self._preslot = self._preslot, None
         if pre is None:
             return None, planned, grads, False
-        slot, layout = pre
+        slot, layout, targets = pre
         if planned is not None and planned[0] is layout:
-            cached = getattr(slot.buf, _TARGETS, None)
-            targets = cached[1] if cached is not None and cached[0] is layout else {}
             tensors = planned[1]
             whole = len(tensors) == len(targets) and all(
                 (to := targets.get(t.dtype)) is not None and t.data_ptr() == to.data_ptr() for t in tensors)
