@@ -145,6 +145,11 @@ class LogConfig:
     ``opt.step()`` returned; docs/guide/durability.md) or ``thread`` (a background thread of the training process:
     a crash loses the steps not yet written, up to ``batch_steps`` of them). Where a persistence process cannot run
     (not Linux, no ``memfd_create``), lowdiff says so and uses the thread."""
+    direct_io: bool = True
+    """Write snapshots, segments and stop files past the page cache (``O_DIRECT``) where the file system takes it:
+    the kernel's copy into the page cache cost the writer's core about 3 ms of system CPU per MB on a shared VM
+    (docs/measurements/directio.md), and a checkpoint is read only at a recovery. File systems that refuse it
+    (tmpfs, many FUSE mounts) are written through the page cache as before; ``false``: always through it."""
     when_behind: str = "wait"
     """What happens when the disk falls behind the log: ``wait`` (training waits: back-pressure) or ``replica``
     (LowDiff+: the persistence process applies every step to its shadow replica and writes a snapshot of it
@@ -160,6 +165,7 @@ class LogConfig:
         _check_number("log.backpressure_warn_s", self.backpressure_warn_s, lambda v: v > 0, "a number > 0")
         _check_choice("log.persistence", self.persistence, PERSISTENCE)
         _check_choice("log.when_behind", self.when_behind, WHEN_BEHIND)
+        _check_type("log.direct_io", self.direct_io, bool, "true or false")
 
 
 @dataclass(frozen=True, kw_only=True)

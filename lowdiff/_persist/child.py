@@ -131,6 +131,7 @@ def main(fd: int) -> None:
     run_dir.run_id = start.run_id
     run_dir.branch = start.branch
     w = start.writer
+    run_dir.direct_io = bool(w.get("direct_io", True))
     if start.shadow is not None:
         # The replica's first optimizer step imports torch._dynamo (2 s here): before Ready, so that the wait
         # counts as start-up, not as a slow disk.

@@ -36,7 +36,8 @@ class Start(NamedTuple):
     run_id: str | None
     branch: str | None
     writer: dict[str, Any]
-    """The writer's settings: batch_steps, codec, compressor, queue_depth, retention, durable_step, when_behind."""
+    """The writer's settings: batch_steps, codec, compressor, queue_depth, retention, durable_step, when_behind,
+    direct_io, remote."""
     shadow: Any
     log_level: int
     trainer_pid: int

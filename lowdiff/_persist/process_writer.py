@@ -79,7 +79,7 @@ class ProcessWriter:
             compressor_params=run_dir.compressor_params, run_id=run_dir.run_id, branch=run_dir.branch,
             writer={"batch_steps": batch_steps, "codec": codec, "compressor": compressor,
                     "queue_depth": queue_depth, "retention": retention.keep_snapshots,
-                    "durable_step": durable_step, "when_behind": when_behind,
+                    "durable_step": durable_step, "when_behind": when_behind, "direct_io": run_dir.direct_io,
                     "remote": dict(remote) if remote is not None else None},
             shadow=shadow, log_level=logging.getLogger("lowdiff").getEffectiveLevel(), trainer_pid=os.getpid()),
             on_freed=self._freed, before_wait=self._before_wait)

@@ -88,6 +88,11 @@ def pwrite_all(fd: int, chunks: list[Any], offset: int) -> None:
                 n = 0
 
 
+def pwritev(fd: int, buffers: list[Any], offset: int) -> int:
+    """One ``pwritev`` through the seam (short counts are the caller's to handle)."""
+    return _pwritev(fd, buffers, offset)
+
+
 def set_write_seam(pwritev: Callable[[int, list[Any], int], int] | None,
                    before_commit: Callable[[Path], None] | None) -> tuple[Any, Any]:
     """Install the functions writes and commits go through (None: the real ones); returns the previous pair.

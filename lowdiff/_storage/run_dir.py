@@ -88,6 +88,9 @@ class RunDir:
         self.branch: str | None = None
         """The history new files are stamped with (lowdiff._storage.history): the manifest's current branch, a new
         one from :meth:`start_branch` (a resume); None: the run's first history."""
+        self.direct_io = True
+        """Snapshots, segments and stop files are written past the page cache where the file system takes it
+        (``log.direct_io``; lowdiff._storage.direct_io)."""
         self._lock: WriterLock | None = None
 
     def __repr__(self) -> str:
@@ -171,16 +174,18 @@ class RunDir:
 
     def write_snapshot(self, state: SnapshotState, codec: str) -> int:
         """Commit this rank's share of the snapshot at ``state.step``; returns the bytes written."""
-        return write_snapshot(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch)
+        return write_snapshot(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch,
+                              direct=self.direct_io)
 
     def write_segment(self, records: Sequence[StepRecord], codec: str, compressor: str) -> int:
         """Commit this rank's share of the segment holding ``records`` (consecutive steps); returns bytes."""
         return write_segment(self.path, list(records), codec, compressor, self.shard, run_id=self.run_id,
-                             branch=self.branch, compressor_params=self.compressor_params)
+                             branch=self.branch, compressor_params=self.compressor_params, direct=self.direct_io)
 
     def write_stop(self, state: StopState, codec: str) -> int:
         """Commit this rank's share of the stop file at ``state.step`` (FORMAT.md section 4a); returns bytes."""
-        return write_stop(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch)
+        return write_stop(self.path, state, codec, self.shard, run_id=self.run_id, branch=self.branch,
+                          direct=self.direct_io)
 
     def prune_stops(self, keep_step: int) -> list[Path]:
         """Delete the stop files of steps before ``keep_step`` (one rank: every shard goes)."""

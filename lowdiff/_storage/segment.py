@@ -84,10 +84,11 @@ class StepRecord:
 
 def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compressor: str,
                   shard: Shard = UNSHARDED, *, run_id: str | None = None, branch: str | None = None,
-                  compressor_params: dict[str, Any] | None = None) -> int:
+                  compressor_params: dict[str, Any] | None = None, direct: bool = True) -> int:
     """Commit ``log/steps-F-L.h5`` (or this rank's shard of it) holding ``records``. ``run_id``: the manifest's;
     ``branch``: the history the run is in (lowdiff._storage.history; None: its first);
-    ``compressor_params``: the compressor's ``ratio`` and ``rank``, which bound every payload a reader accepts."""
+    ``compressor_params``: the compressor's ``ratio`` and ``rank``, which bound every payload a reader accepts;
+    ``direct``: write_container's."""
     first, last = records[0].step, records[-1].step
     if [r.step for r in records] != list(range(first, last + 1)):
         raise ValueError(f"segment steps must be consecutive, got {[r.step for r in records]}")
@@ -140,7 +141,8 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
         meta["branch"] = branch
     if compressor_params is not None:
         meta["compressor_params"] = compressor_params
-    return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec)
+    return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec,
+                           direct=direct)
 
 
 def scale_of(r: StepRecord) -> float | None:

@@ -80,11 +80,11 @@ class SnapshotState:
 
 
 def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard = UNSHARDED, *,
-                   run_id: str | None = None, branch: str | None = None) -> int:
+                   run_id: str | None = None, branch: str | None = None, direct: bool = True) -> int:
     """Commit ``snapshots/step-N.h5`` (or this rank's shard of it); tensors must be CPU tensors the caller no
     longer mutates. With several shards each file holds part of the tensors and the same metadata. ``run_id``:
     the manifest's (None only in a run written before run ids existed); ``branch``: the history the run is in
-    (lowdiff._storage.history; None: its first)."""
+    (lowdiff._storage.history; None: its first); ``direct``: write_container's."""
     entries: list[EntryIn] = []
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -118,7 +118,7 @@ def write_snapshot(run_dir: Path, state: SnapshotState, codec: str, shard: Shard
     if branch is not None:
         meta["branch"] = branch
     path = run_dir / SNAPSHOT_DIR / snapshot_name(state.step, shard)
-    return write_container(path, KIND, meta, entries, codec)
+    return write_container(path, KIND, meta, entries, codec, direct=direct)
 
 
 def rank_prefix(rank: int) -> str:

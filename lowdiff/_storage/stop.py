@@ -41,8 +41,8 @@ class StopState:
 
 
 def write_stop(run_dir: Path, state: StopState, codec: str, shard: Shard = UNSHARDED, *, run_id: str | None = None,
-               branch: str | None = None) -> int:
-    """Commit this rank's shard of ``stops/step-S.h5``; returns the bytes written."""
+               branch: str | None = None, direct: bool = True) -> int:
+    """Commit this rank's shard of ``stops/step-S.h5``; returns the bytes written (``direct``: write_container's)."""
     entries = [EntryIn(f"compressor/{n}/{k}", [t], {"dtype": dtype_name(t.dtype), "shape": list(t.shape)})
                for n, st in state.compressor_state.items() for k, t in st.items()]
     if state.rank_compressor_state and shard.count < 2:
@@ -55,7 +55,8 @@ def write_stop(run_dir: Path, state: StopState, codec: str, shard: Shard = UNSHA
         meta["run_id"] = run_id
     if branch is not None:
         meta["branch"] = branch
-    return write_container(run_dir / STOP_DIR / snapshot_name(state.step, shard), KIND, meta, entries, codec)
+    return write_container(run_dir / STOP_DIR / snapshot_name(state.step, shard), KIND, meta, entries, codec,
+                           direct=direct)
 
 
 def read_stop(files: FileSet, manifest: Manifest, rank: int | None = None) -> StopState:

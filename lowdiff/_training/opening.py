@@ -112,6 +112,7 @@ class Run:
         lifecycle.close_earlier(config.run_dir)
         run_dir = RunDir(config.run_dir, Shard(self.coord.rank, self.coord.world_size),
                          compressor_params={"ratio": cc.ratio, "rank": cc.rank})
+        run_dir.direct_io = config.log.direct_io
         self.run_dir = run_dir
         try:
             policy = make_policy(config, run_dir, self.coord,

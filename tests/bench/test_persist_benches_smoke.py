@@ -1,5 +1,5 @@
-"""bench/faststep.py, bench/killtest.py and bench/slowdisk.py --smoke run end to end (never writing into
-bench/results/ or docs/)."""
+"""bench/faststep.py, bench/killtest.py, bench/slowdisk.py and bench/directio.py --smoke run end to end (never
+writing into bench/results/ or docs/)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,11 @@ def test_slowdisk_smoke(tmp_path: Path) -> None:
     assert set(rows) == {"off", "wait", "replica"}
     assert rows["wait"]["steps_skipped"] == 0 and rows["replica"]["durable_after_close"] == res["steps"]
     assert (tmp_path / "slowdisk.md").exists()
+
+
+def test_directio_smoke(tmp_path: Path) -> None:
+    _run("directio.py", "--out-dir", str(tmp_path))
+    res = json.loads((tmp_path / "directio.json").read_text())
+    assert {r["persistence"] for r in res["rows"]} == {"process", "thread"}
+    assert all(len(r["direct_windows"]) == len(r["cached_windows"]) == 2 for r in res["rows"])
+    assert (tmp_path / "directio.md").exists()
