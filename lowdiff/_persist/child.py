@@ -75,7 +75,7 @@ class Reporter:
     def send(self, msg: Any) -> None:
         if self.gone:
             return
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = m.encode(msg)
         with self.lock:
             try:
                 self.conn.send_bytes(data)
@@ -123,7 +123,7 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=fd).detach())
-    start: m.Start = pickle.loads(conn.recv_bytes())
+    start: m.Start = m.decode(conn.recv_bytes())
     logging.basicConfig(level=start.log_level,
                         format="%(asctime)s %(levelname)s %(name)s[persist %(process)d] %(message)s")
     atomic.seam_from_environment()  # lowdiff.testing's fault injection, when a test asked for it
@@ -178,6 +178,8 @@ class Session:
         self.rings: dict[str, tuple[int, Arena]] = {}
         self.pending: tuple[Staged[StepRecord], bool] | None = None
         self.layouts: dict[int, Any] = {}
+        self._groups: list[dict[str, Any]] = []  # the last record's: what a record that repeats them (None) has
+        self._rng: dict[str, torch.Tensor] = {}
 
     def serve(self) -> bool:
         """Handle messages until :class:`~lowdiff._persist.messages.Close` (True) or until the training process is
@@ -191,7 +193,7 @@ class Session:
                     if os.getppid() != self.trainer_pid:
                         return False
                     continue
-                msg = pickle.loads(self.conn.recv_bytes())
+                msg = m.decode(self.conn.recv_bytes())
             except (EOFError, OSError, pickle.UnpicklingError):
                 return False
             try:
@@ -211,7 +213,7 @@ class Session:
             case m.Seal(step, data, end_groups, rng):
                 staged, _ = self._take_pending(step)
                 staged.item.data = data
-                staged.item.end_groups = end_groups
+                staged.item.end_groups = staged.item.groups if isinstance(end_groups, str) else end_groups  # m.AT_STEP
                 if rng is not None:
                     staged.item.rng = _rng_tensors(rng)
                 self.submit(staged)
@@ -268,8 +270,12 @@ class Session:
         rid, ring = self.rings["r"]
         assert rid == msg.ring_id, (rid, msg.ring_id)
         grads, buffers = unpack_step(self.layouts[msg.layout_id], ring.buf[msg.offset:msg.offset + msg.nbytes])
-        rec = StepRecord(step=msg.step, groups=msg.groups, grads=grads, buffers=buffers, data=msg.data,
-                         skipped=msg.skipped, rng=_rng_tensors(msg.rng), grad_scale=msg.grad_scale)
+        if msg.groups is not None:
+            self._groups = msg.groups
+        if msg.rng is not None:
+            self._rng = _rng_tensors(msg.rng)
+        rec = StepRecord(step=msg.step, groups=self._groups, grads=grads, buffers=buffers, data=msg.data,
+                         skipped=msg.skipped, rng=self._rng, grad_scale=msg.grad_scale)
         ring_id, aid = msg.ring_id, msg.aid
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), msg.keep_if_orphaned)
 

@@ -4,9 +4,9 @@
 drives either; the process and the socket are a :class:`lowdiff._persist.process_channel.Channel`. Per step the training
 thread copies the record's tensors into a slot of a shared ring (:mod:`lowdiff._transfer.ring`, one concatenating copy
 per dtype) and sends a small message over a Unix socket; encoding, checksums, HDF5 writes, fsyncs, retention and the
-shadow replica run in the other process. A record is handed over when ``opt.step()`` returns (:meth:`submit_early`;
-on a GPU once its copies are seen complete), before its iteration ends; the end of the iteration follows as a seal
-message (:meth:`submit_record`). A dead trainer's persistence process commits what it holds, then exits.
+shadow replica run in the other process. A record is handed over when ``opt.step()`` returns (:meth:`submit_early`; on
+a GPU once its copies are seen complete), before its iteration ends; a seal (:meth:`submit_record`) follows at its end.
+A dead trainer's persistence process commits what it holds, then exits.
 
 Back-pressure: at most ``(queue_depth + 1) x batch_steps + 2`` records are in flight (sent, not yet committed), and no
 more than the ring holds; beyond that the step waits (``stats.blocked_s``). Failures come back as messages."""
@@ -64,12 +64,12 @@ class ProcessWriter:
         self._layouts_sent: dict[int, None] = {}  # the ids the persistence process knows (packing.remember)
         self._records = 0  # records sent and not yet released by the persistence process
         self._snap: Arena | None = None
-        self._snap_id = 0  # which snapshot arena a slot handed out lies in
-        self._snap_busy = False
+        self._snap_id, self._snap_busy = 0, False  # which snapshot arena a slot handed out lies in; whether taken
         self._snap_copying: Staged[SnapshotState] | None = None  # handed over once its copies complete
         self._token = 0
         self._kept_if_orphaned = False
         self._rng_sent: Any = None  # the RNG state the last record was handed over with
+        self._repeat: tuple[Any, Any] = (None, None)  # its RNG bytes and groups: a record repeating them sends None
         self._early_step: int | None = None  # the step handed over early whose iteration has not ended
         self._copying = CopyingRecord(self._hand_over, self.end_known)  # its copies still running on the GPU
         self.start_wait_s = 0.0
@@ -204,10 +204,12 @@ class ProcessWriter:
         state["sent"] = True
         layout = packed.layout
         self._kept_if_orphaned = keep_if_orphaned
-        self._rng_sent = rec.rng
+        self._rng_sent, raw, (raw_sent, groups_sent) = rec.rng, m.rng_bytes(rec.rng), self._repeat
         self._chan.send(m.Record(rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
-                            None if layout.id in self._layouts_sent else layout.wire, m.rng_bytes(rec.rng),
-                            rec.groups, rec.data, rec.skipped, keep_if_orphaned, scale_of(rec)))
+                            None if layout.id in self._layouts_sent else layout.wire, None if raw == raw_sent else raw,
+                            None if rec.groups is groups_sent else rec.groups, rec.data, rec.skipped,
+                            keep_if_orphaned, scale_of(rec)))
+        self._repeat = raw, rec.groups
         if layout.id not in self._layouts_sent:
             remember(self._layouts_sent, layout.id, None)
         self._early_step = rec.step
@@ -245,7 +247,7 @@ class ProcessWriter:
         self._early_step = None
         # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
         rng = None if rec.rng is self._rng_sent else m.rng_bytes(rec.rng)
-        msg = m.Seal(rec.step, rec.data, rec.end_groups, rng)
+        msg = m.Seal(rec.step, rec.data, m.AT_STEP if rec.end_groups is rec.groups else rec.end_groups, rng)
         if self._kept_if_orphaned:
             # The persistence process would commit this record as it is if the trainer died now: the seal rides
             # with the next message (one socket write per step instead of two).
@@ -365,8 +367,7 @@ class ProcessWriter:
                 self._ring.close()
             cap = max(_ring_min_bytes, (self.batch_steps + 2) * per,
                       min(self._max_records() * per, max(RING_MAX_BYTES, 4 * per)))
-            self._ring = Arena(cap)
-            self._alloc = RingAllocator(cap)
+            self._ring, self._alloc = Arena(cap), RingAllocator(cap)
             self._ring_id += 1
             self._chan.send_arena("r", self._ring_id, self._ring.fd, self._ring.nbytes)
         got = self._alloc.alloc(nbytes) if self._records < self._max_records() else None

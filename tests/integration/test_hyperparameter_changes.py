@@ -61,3 +61,52 @@ def test_each_change_of_a_hyperparameter_is_replayed_at_its_step(tmp_path: Path,
         assert all(torch.equal(rec.model[k], v) for k, v in live[it].items()), f"step {it}"
         end = rec.end_groups[0]
         assert (float(end["lr"]), end["schedule"], end["betas"], end["weight_decay"]) == ends[it], f"step {it}"
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_groups_and_rng_that_repeat_from_step_to_step_are_logged_at_every_step(tmp_path: Path,
+                                                                                persistence: str) -> None:
+    """A record repeats what did not change since the record before (the persistence process is sent neither the
+    same encoded groups nor the same RNG bytes again; a seal whose groups are its step's says so): float
+    hyperparameters a scheduler changes every third iteration, random draws after some steps only. Every step
+    recovers its own groups, its end-of-iteration groups and its RNG state, bit for bit."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=3, gamma=0.5)
+    run = tmp_path / "run"
+    opt = lowdiff.wrap(inner, model, {"run_dir": str(run), "compressor": {"name": "topk", "ratio": 0.5},
+                                      "snapshot": {"every_steps": 1000},
+                                      "log": {"batch_steps": 4, "persistence": persistence}})
+    opt.track(sched, "sched")
+    opt.resume()
+    live, lrs, ends, rngs = {}, {}, {}, {}
+    gen = torch.Generator().manual_seed(1)
+    for it in range(1, 12):
+        model(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        lrs[it] = inner.param_groups[0]["lr"]
+        opt.step()
+        rngs[it] = lowdiff.rng.capture()  # what the record of this step logs: the state opt.step() left
+        opt.zero_grad()
+        live[it] = {k: v.clone() for k, v in model.state_dict().items()}
+        sched.step()
+        ends[it] = inner.param_groups[0]["lr"]
+        if it % 4 == 1:  # between iterations, after some steps only: the next record's RNG state differs
+            torch.rand(3)
+            np.random.rand()
+            random.random()
+        elif it % 4 == 2:
+            torch.rand(1)  # torch's source only
+    opt.close()
+    assert len(set(lrs.values())) > 1 and any(lrs[it] == ends[it] for it in lrs)  # both kinds of seal happened
+    for it in range(1, 12):
+        rec = lowdiff.recover(run, step=it, workers=1)
+        assert all(torch.equal(rec.model[k], v) for k, v in live[it].items()), f"step {it}"
+        assert rec.optimizer["param_groups"][0]["lr"] == lrs[it], f"step {it}"
+        assert rec.end_groups is not None and rec.end_groups[0]["lr"] == ends[it], f"step {it}"
+        assert set(rec.rng) == set(rngs[it]), f"step {it}"
+        assert all(torch.equal(rec.rng[k], v) for k, v in rngs[it].items()), f"step {it}: RNG state"
