@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import random
@@ -32,6 +31,7 @@ import torch
 from faststep import make_model
 
 import lowdiff
+import lowdiff.testing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,28 +73,6 @@ class Twin:
                              "writer_cpu_s": (self.writer_cpu_s() - w0) / steps})
 
 
-def takes_direct(directory: Path) -> bool:
-    """Whether the file system under ``directory`` takes an aligned ``O_DIRECT`` write (else both twins write
-    through the page cache and the comparison says nothing)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / "probe"
-    probe.write_bytes(b"")
-    page = mmap.mmap(-1, 4096)
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
-        try:
-            os.pwrite(fd, page, 0)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        page.close()
-        probe.unlink()
-
-
 def _quartiles(xs: list[float]) -> list[float]:
     if len(xs) < 2:
         return [xs[0], xs[0]]
@@ -113,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="lowdiff-directio-", dir=args.work_dir))
     try:
-        direct_ok = takes_direct(work)
+        direct_ok = lowdiff.testing.takes_direct_io(work)
         load0 = os.getloadavg()
         twins = [Twin(d, p, args, work) for p in args.persistence for d in (True, False)]
         for t in twins:

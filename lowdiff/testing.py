@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff._persist import process_writer
-from lowdiff._storage import atomic
+from lowdiff._storage import atomic, direct_io
 from lowdiff._transfer import host_copies
 
 real_pwritev: Callable[[int, list[Any], int], int] = os.pwritev
@@ -43,6 +43,12 @@ def intercept_writes(pwritev: Callable[[int, list[Any], int], int] | None = None
         yield
     finally:
         atomic.set_write_seam(current_pwritev, current_commit)
+
+
+def takes_direct_io(directory: str | os.PathLike[str]) -> bool:
+    """Whether the file system holding ``directory`` takes the ``O_DIRECT`` writes ``log.direct_io`` asks for (where
+    it does not, lowdiff writes through the page cache): writes and removes a 4 kB probe file."""
+    return direct_io.probe(directory)
 
 
 def fd_path(fd: int) -> str:

@@ -64,6 +64,30 @@ def write_data(fd: int, path: os.PathLike[str] | str, chunks: list[Any], offset:
     return direct_bytes > 0
 
 
+def probe(directory: os.PathLike[str] | str) -> bool:
+    """Whether the file system holding ``directory`` takes an aligned ``O_DIRECT`` write (writes a 4 kB file there
+    and removes it)."""
+    if not _O_DIRECT:
+        return False
+    path = os.path.join(directory, f".lowdiff-direct-probe-{os.getpid()}-{threading.get_ident()}")
+    page = mmap.mmap(-1, ALIGN)  # page-aligned memory
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, page, 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> int:
     """The aligned middle, ``start`` to ``end``: directly while the file system takes it, then through the page
     cache. Returns the bytes written directly."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,35 +21,13 @@ import lowdiff
 from lowdiff import CheckpointWriteError
 from lowdiff._storage.container import ContainerReader, EntryIn, write_container
 from lowdiff.config import load_config
-from lowdiff.testing import intercept_writes, real_pwritev
+from lowdiff.testing import intercept_writes, real_pwritev, takes_direct_io
 
 MB = 1 << 20
 
 
 def _is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
-
-
-def _takes_direct(directory: Path) -> bool:
-    """Whether this file system takes an aligned O_DIRECT write (tmpfs refuses the open, some FUSE mounts the
-    write)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / "probe"
-    probe.write_bytes(b"")
-    page = mmap.mmap(-1, 4096)  # page-aligned memory
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_DIRECT)
-        try:
-            os.pwrite(fd, page, 0)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        page.close()
-        probe.unlink()
 
 
 class Watch:
@@ -90,7 +67,7 @@ def _read_all(path: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def direct_dir(tmp_path: Path) -> Path:
-    if not _takes_direct(tmp_path):
+    if not takes_direct_io(tmp_path):
         pytest.skip("this file system refuses O_DIRECT (tmpfs?): the buffered path is what every other test runs")
     return tmp_path
 
@@ -152,7 +129,7 @@ def test_a_refused_or_short_direct_write_still_commits_the_whole_file(direct_dir
 def test_direct_io_false_in_the_config_keeps_every_write_in_the_page_cache(tmp_path: Path) -> None:
     """Thread persistence (its writes are this process's, so the seam sees them): a 4 MB model's snapshots go past
     the page cache by default and not with ``log.direct_io: false``; recovery is exact either way."""
-    direct_ok = _takes_direct(tmp_path)
+    direct_ok = takes_direct_io(tmp_path)
     for direct in (True, False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 4))
