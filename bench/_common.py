@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -289,3 +290,20 @@ def pyplot(path: Path) -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """First and third quartiles of ``xs`` (the spread of rounds)."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def median_quartiles(xs: list[float], draws: int = 2000) -> tuple[float, float]:
+    """Bootstrap quartiles of the median of ``xs`` (rounds resampled with replacement, a fixed seed so that a page
+    re-renders the same): how far the median itself may be off; it narrows as rounds are added, the spread of rounds
+    (:func:`quartiles`) does not."""
+    rnd = random.Random(0)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(draws))
+    return meds[draws // 4], meds[3 * draws // 4]

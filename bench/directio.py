@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import median_quartiles, quartiles
 from faststep import make_model
 
 import lowdiff
@@ -73,20 +73,6 @@ class Twin:
                              "writer_cpu_s": (self.writer_cpu_s() - w0) / steps})
 
 
-def _quartiles(xs: list[float]) -> list[float]:
-    if len(xs) < 2:
-        return [xs[0], xs[0]]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
-
-
-def _median_quartiles(xs: list[float], draws: int = 2000) -> list[float]:
-    """Bootstrap quartiles of the median of ``xs`` (resampling rounds; a fixed seed, so a page re-renders the same)."""
-    rnd = random.Random(0)
-    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(draws))
-    return [meds[draws // 4], meds[3 * draws // 4]]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="lowdiff-directio-", dir=args.work_dir))
@@ -108,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratio = [a["step_s"] / b["step_s"] for a, b in zip(on.windows, off.windows)]
             added = [a["cpu_s"] - b["cpu_s"] for a, b in zip(on.windows, off.windows)]
             row: dict[str, Any] = {"persistence": p, "step_ratio": statistics.median(ratio),
-                                   "step_ratio_q": _quartiles(ratio), "step_ratio_median_q": _median_quartiles(ratio),
+                                   "step_ratio_q": quartiles(ratio), "step_ratio_median_q": median_quartiles(ratio),
                                    "train_cpu_added_ms": 1e3 * statistics.median(added)}
             for side, t in (("direct", on), ("cached", off)):
                 for key in ("step_s", "cpu_s", "flush_s", "writer_cpu_s"):

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import median_quartiles, quartiles
 
 import lowdiff
 
@@ -184,8 +184,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                      "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off.windows),
                      "overhead": statistics.median(ratio) - 1.0,
                      "overhead_min": min(ratio) - 1.0, "overhead_max": max(ratio) - 1.0,
-                     "overhead_q1": _quartiles(ratio)[0] - 1.0, "overhead_q3": _quartiles(ratio)[1] - 1.0,
-                     "added_cpu_q": [1e3 * q for q in _quartiles(added_cpu)],
+                     "overhead_q1": quartiles(ratio)[0] - 1.0, "overhead_q3": quartiles(ratio)[1] - 1.0,
+                     "added_cpu_q": [1e3 * q for q in quartiles(added_cpu)],
                      "added_cpu_ms": 1e3 * statistics.median(added_cpu),
                      "cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in t.windows),
                      "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
@@ -207,23 +207,8 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "command": " ".join(sys.argv)}
 
 
-def _median_quartiles(xs: list[float], draws: int = 2000) -> tuple[float, float]:
-    """Bootstrap quartiles of the median of ``xs`` (rounds resampled with replacement, a fixed seed so that a page
-    re-renders the same): how far the median itself may be off, where :func:`_quartiles` is the spread of rounds."""
-    rnd = random.Random(0)
-    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(draws))
-    return meds[draws // 4], meds[3 * draws // 4]
-
-
 def _round_ratios(r: dict[str, Any]) -> list[float]:
     return [w["step_s"] / o["step_s"] for w, o in zip(r["windows"], r["off_windows"])]
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 BG_NOTE = (" (modes named -bg copy snapshots beside the next forward and backward passes: "
@@ -269,13 +254,14 @@ def markdown(res: dict[str, Any]) -> str:
         "blocked s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    mq = {r["mode"]: median_quartiles(_round_ratios(r)) for r in res["rows"]}  # each row's, computed once
     for r in res["rows"]:
         q = r.get("added_cpu_q")
         lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['off_step_ms']:.1f} | {100 * r['overhead']:+.1f} % | "
                      + (f"{100 * r['overhead_q1']:+.1f} .. {100 * r['overhead_q3']:+.1f} % | " if "overhead_q1" in r
                         else "| ")
                      + f"{100 * r['overhead_min']:+.1f} .. {100 * r['overhead_max']:+.1f} % | "
-                     + "{:+.1f} .. {:+.1f} % | ".format(*(100 * (m - 1) for m in _median_quartiles(_round_ratios(r))))
+                     + "{:+.1f} .. {:+.1f} % | ".format(*(100 * (m - 1) for m in mq[r["mode"]]))
                      + f"{r['cpu_ms']:.1f} | "
                      f"{r['added_cpu_ms']:+.2f} | " + (f"{q[0]:+.2f} .. {q[1]:+.2f} | " if q else "| ")
                      + (f"{r['own_cpu_ms']:+.2f}" if "own_cpu_ms" in r else "")
@@ -305,12 +291,10 @@ def markdown(res: dict[str, Any]) -> str:
                                   r["overhead"] - r["overhead_q1"], r["overhead_q3"] - r["overhead"]) <= 2
                                  else "not met") + ")" for r in steady)
                   + "; read instead as the median's own bootstrap quartiles within 2 points of it: "
-                  + ", ".join(f"{r['mode']} " + "{:+.1f} .. {:+.1f}".format(
-                      *(100 * (m - 1) for m in _median_quartiles(_round_ratios(r))))
-                      + (": met" if 100 * r["overhead"] <= 3 and 100 * max(
-                          r["overhead"] + 1 - _median_quartiles(_round_ratios(r))[0],
-                          _median_quartiles(_round_ratios(r))[1] - r["overhead"] - 1) <= 2 else ": not met")
-                      for r in steady) + "."]
+                  + ", ".join(f"{r['mode']} " + "{:+.1f} .. {:+.1f}".format(*(100 * (m - 1) for m in mq[r["mode"]]))
+                              + (": met" if 100 * r["overhead"] <= 3 and 100 * max(
+                                  r["overhead"] + 1 - mq[r["mode"]][0], mq[r["mode"]][1] - r["overhead"] - 1) <= 2
+                                 else ": not met") for r in steady) + "."]
     lines += [
         "",
         "Against the bars of issue 17 (<= 3 % for Top-k and PowerSGD, <= 5 % for none): "

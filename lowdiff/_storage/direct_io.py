@@ -38,30 +38,28 @@ _bounces: list[mmap.mmap] = []
 _lock = threading.Lock()
 
 
-def write_data(fd: int, path: os.PathLike[str] | str, chunks: list[Any], offset: int, *, direct: bool = True) -> bool:
-    """Write ``chunks`` back to back at ``offset`` of the file ``fd`` has open for writing (``path`` names it).
-    Returns whether part of it went past the page cache."""
+def write_data(fd: int, path: os.PathLike[str] | str, chunks: list[Any], offset: int, *, direct: bool = True) -> None:
+    """Write ``chunks`` back to back at ``offset`` of the file ``fd`` has open for writing (``path`` names it)."""
     views = [v for v in (memoryview(c).cast("B") for c in chunks) if v.nbytes]
     total = sum(v.nbytes for v in views)
     start, end = -(-offset // ALIGN) * ALIGN, (offset + total) // ALIGN * ALIGN
     if not direct or not _O_DIRECT or end - start < MIN_BYTES:
         atomic.pwrite_all(fd, views, offset)
-        return False
+        return
     try:
         dfd = os.open(path, os.O_WRONLY | _O_DIRECT | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         if e.errno not in _REFUSED:
             raise
         atomic.pwrite_all(fd, views, offset)
-        return False
+        return
     stream = _Stream(views)
     try:
         atomic.pwrite_all(fd, stream.take(start - offset), offset)
-        direct_bytes = _write_middle(dfd, fd, stream, start, end)
+        _write_middle(dfd, fd, stream, start, end)
         atomic.pwrite_all(fd, stream.take(offset + total - end), end)
     finally:
         os.close(dfd)
-    return direct_bytes > 0
 
 
 def probe(directory: os.PathLike[str] | str) -> bool:
@@ -88,13 +86,13 @@ def probe(directory: os.PathLike[str] | str) -> bool:
             pass
 
 
-def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> int:
+def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> None:
     """The aligned middle, ``start`` to ``end``: directly while the file system takes it, then through the page
-    cache. Returns the bytes written directly."""
+    cache."""
     bounce = _take_bounce()
     try:
         buf = np.frombuffer(bounce, dtype=np.uint8)
-        pos, direct, refused = start, 0, False
+        pos, refused = start, False
         while pos < end:
             k = min(BOUNCE_BYTES, end - pos)
             pieces = stream.take(k)
@@ -114,11 +112,9 @@ def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> i
                     raise
                 refused, n = True, 0  # took the open, not the write (some FUSE file systems)
             n = max(n, 0)
-            direct += n
             if n < k:  # a short direct write cannot go on unaligned: the rest of the block through the page cache
                 atomic.pwrite_all(fd, [block[n:]], pos + n)
             pos += k
-        return direct
     finally:
         _give_bounce(bounce)
 
