@@ -3,10 +3,10 @@
 A 48-block MLP (Linear 128 + LayerNorm + GELU, batch 16), AdamW, one torch thread: 20-80 ms steps spent mostly in
 Python and small kernels. For each compressor (topk, powersgd, none), three twins train the same-initialized model:
 ``off`` (lowdiff with ``enabled: false``: the same compression, nothing written), ``thread`` and ``process``
-(``log.persistence``). Rounds interleave windows of every mode; each window's step time and training-thread CPU
-time (``time.thread_time()``) are divided by the ``off`` twin's of the same round, and the median over rounds is
-reported. A window ends with ``opt.flush()`` (untimed, reported apart), so no writer works during another mode's
-window.
+(``log.persistence``). Each round runs a window of every mode beside a window of its ``off`` twin, the pair's order
+alternating (ABBA); each window's step time and training-thread CPU time (``time.thread_time()``) are divided by
+those of the ``off`` window beside it, and the median over rounds is reported. A window ends with ``opt.flush()``
+(untimed, reported apart), so no writer works during another mode's window.
 
     python bench/faststep.py                      # ~4 min on 2 cores; bench/results/faststep.json, docs page
     python bench/faststep.py --smoke --out-dir /tmp/x
@@ -156,10 +156,21 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             t.step()
         t.opt.flush()
     n_params = sum(p.numel() for p in twins[0].model.parameters())
+    offs = {t.comp: t for t in twins if t.persistence is None and not t.aa}
+    measured = [t for t in twins if t not in offs.values()]
+    # Each measured twin's window beside a window of its `off` twin, the pair's order alternating (ABBA): the
+    # machine's load drifts over seconds, and a ratio of windows seconds apart sees less of that drift than one of
+    # windows a whole round apart (a round of 8 twins lasted 50 s at 10.8M parameters).
+    pairs: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {t.name: [] for t in measured}
     for r in range(args.rounds):
-        order = twins if r % 2 == 0 else twins[::-1]
-        for t in order:
-            t.window(args.window)
+        for i, t in enumerate(measured if r % 2 == 0 else measured[::-1]):
+            off = offs[t.comp]
+            if (r + i) % 2 == 0:
+                o = off.window(args.window)
+                pairs[t.name].append((t.window(args.window), o))
+            else:
+                w = t.window(args.window)
+                pairs[t.name].append((w, off.window(args.window)))
     # Attribution pass: the same interleaving with the instrumented calls; the difference of own CPU between a twin
     # and its `off` twin is lowdiff's own work on the training thread, without the interference of the writer's
     # core on the timing of the shared work (compression, inner step) that the window comparison includes.
@@ -175,27 +186,28 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for t in twins:
         if t.persistence is None and not t.aa:
             continue
-        off = next(o for o in twins if o.comp == t.comp and o.persistence is None and not o.aa)
-        ratio = [w["step_s"] / o["step_s"] for w, o in zip(t.windows, off.windows)]
-        added_cpu = [w["cpu_s"] - o["cpu_s"] for w, o in zip(t.windows, off.windows)]
+        off = offs[t.comp]
+        windows, off_windows = [w for w, _ in pairs[t.name]], [o for _, o in pairs[t.name]]
+        ratio = [w["step_s"] / o["step_s"] for w, o in pairs[t.name]]
+        added_cpu = [w["cpu_s"] - o["cpu_s"] for w, o in pairs[t.name]]
         st = t.opt.stats
         rows.append({"mode": t.name, "compressor": t.comp, "persistence": t.persistence, "aa": t.aa,
-                     "step_ms": 1e3 * statistics.median(w["step_s"] for w in t.windows),
-                     "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off.windows),
+                     "step_ms": 1e3 * statistics.median(w["step_s"] for w in windows),
+                     "off_step_ms": 1e3 * statistics.median(w["step_s"] for w in off_windows),
                      "overhead": statistics.median(ratio) - 1.0,
                      "overhead_min": min(ratio) - 1.0, "overhead_max": max(ratio) - 1.0,
                      "overhead_q1": quartiles(ratio)[0] - 1.0, "overhead_q3": quartiles(ratio)[1] - 1.0,
                      "added_cpu_q": [1e3 * q for q in quartiles(added_cpu)],
                      "added_cpu_ms": 1e3 * statistics.median(added_cpu),
-                     "cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in t.windows),
-                     "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off.windows),
-                     "flush_ms": 1e3 * statistics.median(w["flush_s"] for w in t.windows),
+                     "cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in windows),
+                     "off_cpu_ms": 1e3 * statistics.median(w["cpu_s"] for w in off_windows),
+                     "flush_ms": 1e3 * statistics.median(w["flush_s"] for w in windows),
                      "own_cpu_ms": 1e3 * (t.own_cpu_s() - off.own_cpu_s()),
                      "own_steady_ms": 1e3 * (t.own_steady_s() - off.own_steady_s()),
                      "snapshot_steps_timed": sum(snap for _, snap in t.own_steps),
-                     "writer_cpu_ms": 1e3 * statistics.median(w["writer_cpu_s"] for w in t.windows),
+                     "writer_cpu_ms": 1e3 * statistics.median(w["writer_cpu_s"] for w in windows),
                      "blocked_s": st.blocked_s if st else 0.0, "write_error": st.write_error if st else None,
-                     "windows": t.windows, "off_windows": off.windows})
+                     "windows": windows, "off_windows": off_windows})
     for t in twins:
         t.opt.close()
     return {"rows": rows, "params": n_params, "rounds": args.rounds, "window": args.window, "warmup": args.warmup,
@@ -203,7 +215,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "width": args.width, "batch": args.batch, "torch_threads": 1, "torch": torch.__version__,
             "python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
             "attribution_rounds": args.attribution_rounds, "load_before": load0, "load_after": os.getloadavg(),
-            "copy": args.copy,
+            "copy": args.copy, "pairing": "adjacent",
             "command": " ".join(sys.argv)}
 
 
@@ -224,8 +236,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['torch_threads']} torch thread; snapshot every {res['every_steps']} steps"
         f"{BG_NOTE if res.get('copy', 'inline') != 'inline' else ''}, batch_steps "
         f"{res['batch_steps']}; Top-k ratio 0.01, PowerSGD rank 4. {res['rounds']} rounds of interleaved "
-        f"{res['window']}-step windows after {res['warmup']} warm-up steps per twin; each window ends with an "
-        "untimed `opt.flush()`"
+        f"{res['window']}-step windows after {res['warmup']} warm-up steps per twin"
+        + ("; in each round every twin's window runs beside a window of its `off` twin, the pair's order "
+           "alternating (ABBA)" if res.get("pairing") == "adjacent" else "")
+        + "; each window ends with an untimed `opt.flush()`"
         + (" and, as long as the snapshot interval, holds one snapshot step." if res['window'] == res['every_steps']
            else "."),
         "",
@@ -233,11 +247,12 @@ def markdown(res: dict[str, Any]) -> str:
         f"{', '.join(f'{x:.2f}' for x in res['load_before'])} before and "
         f"{', '.join(f'{x:.2f}' for x in res['load_after'])} after. torch {res['torch']}, Python {res['python']}.",
         "",
-        "Overhead: median over rounds of (window step time / the `off` twin's in the same round) - 1, with the "
+        "Overhead: median over rounds of (window step time / the `off` twin's "
+        + ("window beside it" if res.get("pairing") == "adjacent" else "in the same round") + ") - 1, with the "
         "quartiles and the range over rounds, and the bootstrap quartiles of the median (rounds resampled: how far "
         "the median itself may be off; it narrows as rounds are added, the spread of rounds does not). Added CPU: "
         "training-thread `time.thread_time()` per step minus the "
-        "`off` twin's in the same round (median, and quartiles, over rounds). lowdiff's own CPU: from a separate "
+        "`off` twin's " + ("window's" if res.get("pairing") == "adjacent" else "in the same round") + " (median, and quartiles, over rounds). lowdiff's own CPU: from a separate "
         f"instrumented pass ({res.get('attribution_rounds', 0)} interleaved rounds), the training thread's CPU in "
         "`opt.step()` and `opt.zero_grad()` minus the compressor's and the inner optimizer's `step()` and "
         "`zero_grad()` (torch's freeing of the gradients, whose CPU time swings by milliseconds), minus the same "
