@@ -252,7 +252,8 @@ def markdown(res: dict[str, Any]) -> str:
         "quartiles and the range over rounds, and the bootstrap quartiles of the median (rounds resampled: how far "
         "the median itself may be off; it narrows as rounds are added, the spread of rounds does not). Added CPU: "
         "training-thread `time.thread_time()` per step minus the "
-        "`off` twin's " + ("window's" if res.get("pairing") == "adjacent" else "in the same round") + " (median, and quartiles, over rounds). lowdiff's own CPU: from a separate "
+        "`off` twin's " + ("window's" if res.get("pairing") == "adjacent" else "in the same round")
+        + " (median, and quartiles, over rounds). lowdiff's own CPU: from a separate "
         f"instrumented pass ({res.get('attribution_rounds', 0)} interleaved rounds), the training thread's CPU in "
         "`opt.step()` and `opt.zero_grad()` minus the compressor's and the inner optimizer's `step()` and "
         "`zero_grad()` (torch's freeing of the gradients, whose CPU time swings by milliseconds), minus the same "

@@ -146,8 +146,15 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
 
 
 def scale_of(r: StepRecord) -> float | None:
-    """``r.grad_scale`` as a float (call once the record's copies are complete)."""
-    return None if r.grad_scale is None else float(r.grad_scale)
+    """``r.grad_scale`` as a float (call once the record's copies are complete). A tensor is a host one (0-d, its copy
+    queued before the record's): read from its memory, which involves no device (the persistence process's hand-over
+    reads it on the training thread)."""
+    g = r.grad_scale
+    if g is None or isinstance(g, float):
+        return g
+    if g.device.type != "cpu":
+        raise ValueError(f"a step record's grad_scale is a host tensor, got one on {g.device}")
+    return float(g.detach().numpy())
 
 
 def _step_meta(r: StepRecord) -> dict[str, Any]:

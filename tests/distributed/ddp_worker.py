@@ -1,12 +1,16 @@
 """One rank of a DDP training run under lowdiff, launched by torchrun from test_ddp.py.
 
 argv: RUN_DIR COMPRESSOR STEPS REF_OUT [--die-at STEP] [--resume] [--resume-at latest|snapshot] [--auto] [--probe]
-      [--remote URL]
+      [--remote URL] [--scaler] [--skip STEP ...] [--sync-watch STEP]
 Rank 0 saves the reference state after every step to REF_OUT (a list of (model_sd, optim_sd)).
 With --auto (snapshot.every_steps and log.batch_steps auto), every rank also saves the (every_steps, batch_steps,
 last snapshot step) in force after each step to REF_OUT.rankR.sched. --probe (with --auto): a tiny MTBF, a
 2 % overhead bound and 5 ms more per committed file, so the writer is busy at every step and the tuner probes its
 interference (docs/reference/tuner-model.md, section 4); with it REF_OUT holds every step's reference state.
+--scaler: a tracked ``torch.amp.GradScaler("cpu")`` scales the loss and steps the optimizer (the hook compresses the
+scaled gradients); --skip: iterations whose loss is made infinite (the scaler skips their step). --sync-watch STEP:
+from that iteration on, each rank watches its training thread (backward, step, update) for device syncs lowdiff's
+code makes (tests/sync_watch.py) and saves what it found to REF_OUT.rankR.syncs.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import math
 import os
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,6 +63,9 @@ def main() -> None:
                     help="after a resume at step 0, set every parameter to 0.1 (weights loaded after wrap())")
     ap.add_argument("--compiled", action="store_true", help="torch.compile(DDP(model)) (eager backend) to lowdiff")
     ap.add_argument("--remote", default=None, help="remote.url: mirror the run there (tests/remote)")
+    ap.add_argument("--scaler", action="store_true", help="a tracked GradScaler('cpu') around backward and step")
+    ap.add_argument("--skip", type=int, nargs="*", default=[], help="with --scaler: iterations with an inf loss")
+    ap.add_argument("--sync-watch", type=int, default=0, help="watch for lowdiff's device syncs from this step on")
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
     rank = dist.get_rank()
@@ -83,6 +94,13 @@ def main() -> None:
     if args.remote:
         cfg["remote"] = {"url": args.remote}
     opt = lowdiff.wrap(inner, ddp, cfg)
+    scaler = opt.track(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), "scaler") \
+        if args.scaler else None
+    watch = None
+    if args.sync_watch:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from sync_watch import SyncWatch
+        watch = SyncWatch("cpu")
     start = opt.resume(at=args.resume_at) if args.resume else 0
     if args.load_after_wrap and start == 0:
         with torch.no_grad():
@@ -100,9 +118,15 @@ def main() -> None:
             os._exit(17)
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
         losses.append((step, loss.item()))
-        opt.step()
+        with watch if watch is not None and step >= args.sync_watch else nullcontext():
+            if scaler is not None:
+                scaler.scale(loss * math.inf if step in args.skip else loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
         opt.zero_grad(set_to_none=True)
         if rank == 0 and (not args.auto or args.probe or step > args.steps - 3):
             refs.append((step, copy.deepcopy(model.state_dict()), copy.deepcopy(inner.state_dict())))
@@ -115,6 +139,8 @@ def main() -> None:
     if rank == 0:
         torch.save(refs, args.ref_out)
     torch.save(losses, f"{args.ref_out}.rank{rank}.losses")
+    if watch is not None:
+        torch.save(dict(watch.found), f"{args.ref_out}.rank{rank}.syncs")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from sync_watch import LOWDIFF_DIR, SyncWatch
 
 import lowdiff
 import lowdiff.testing
@@ -36,12 +36,6 @@ DEVICE = os.environ.get("LOWDIFF_GUARD_DEVICE", "cpu")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("LOWDIFF_GUARD_DEVICE=cuda without a GPU", allow_module_level=True)
 
-LOWDIFF_DIR = str(Path(lowdiff.__file__).resolve().parent) + os.sep
-TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
-OPTIM_DIR = TORCH_DIR + "optim" + os.sep
-SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
-           "aten::item", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim",
-           "aten::unique_consecutive", "aten::nonzero_numpy"}
 WARMUP = 6
 STEPS = 6
 
@@ -85,56 +79,6 @@ def one_step(opt: Any, model: torch.nn.Module, sched: Any, it: int, inside: Any 
         sched.step()
 
 
-def _attributed(frame: Any) -> str | None:
-    """The lowdiff function an op comes from ("file:line"), or None: not lowdiff's (the inner optimizer's step, the
-    model, the test)."""
-    culprit = None
-    while frame is not None:
-        f = frame.f_code.co_filename
-        if f.startswith(OPTIM_DIR):
-            return None  # inside the inner optimizer's step: its own ops
-        if culprit is None and not f.startswith(TORCH_DIR):
-            if not f.startswith(LOWDIFF_DIR):
-                return None
-            culprit = f"{f[len(LOWDIFF_DIR):]}:{frame.f_lineno} {frame.f_code.co_name}"
-        frame = frame.f_back
-    return culprit
-
-
-def _host_copy_syncs(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a copy op makes the host wait for a device (on the CPU: would on a GPU)."""
-    if name == "aten::_to_copy":
-        src, dev = args[0], kwargs.get("device")
-        if dev is None or torch.device(dev).type != "cpu":
-            return False
-        # .to("cpu"): from the model's device, a copy into pageable memory the host waits for.
-        return src.device.type != "cpu" or DEVICE == "cpu"
-    if name == "aten::copy_":
-        dst, src = args[0], args[1]
-        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-        return src.device.type != "cpu" and dst.device.type == "cpu" and not (non_blocking and dst.is_pinned())
-    return False
-
-
-class SyncWatch(TorchDispatchMode):
-    """Records the syncing ops lowdiff makes on the thread that opened it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.thread = threading.get_ident()
-        self.found: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if threading.get_ident() == self.thread:
-            name = func._schema.name
-            if name in SYNCING or _host_copy_syncs(name, args, kwargs):
-                where = _attributed(sys._getframe(1))
-                if where is not None:
-                    self.found[f"{name} from {where}"] += 1
-        return func(*args, **kwargs)
-
-
 @contextmanager
 def strict(watch: SyncWatch, opt: Any) -> Iterator[None]:
     """``watch`` open; on a GPU also ``torch.cuda.set_sync_debug_mode("error")`` for lowdiff's own calls (the inner
@@ -162,7 +106,7 @@ def strict(watch: SyncWatch, opt: Any) -> Iterator[None]:
 @pytest.mark.parametrize("compressor", ["topk", "powersgd", "none"])
 def test_steady_steps_make_no_device_sync(tmp_path: Path, compressor: str, persistence: str) -> None:
     opt, model, sched = wrapped(tmp_path, compressor, persistence)
-    watch = SyncWatch()
+    watch = SyncWatch(DEVICE)
     with opt:
         for it in range(1, WARMUP + 1):
             one_step(opt, model, sched, it)
@@ -175,7 +119,7 @@ def test_steady_steps_make_no_device_sync(tmp_path: Path, compressor: str, persi
 def test_a_tensor_learning_rate_is_not_read_back_every_step(tmp_path: Path, persistence: str) -> None:
     """A learning rate held in a tensor (on the GPU for capturable optimizers): read once, not twice a step."""
     opt, model, sched = wrapped(tmp_path, "topk", persistence, tensor_lr=True)
-    watch = SyncWatch()
+    watch = SyncWatch(DEVICE)
     with opt:
         for it in range(1, WARMUP + 1):
             one_step(opt, model, sched, it)
