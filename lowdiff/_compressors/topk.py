@@ -108,6 +108,16 @@ class TopKCompressor(Compressor):
         return self._step.end()
 
     def compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> Payload:
+        return self._compress(fqn, grad, comm)[0]
+
+    def compress_decode(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> tuple[Payload, torch.Tensor]:
+        payload, dense = self._compress(fqn, grad, comm)
+        if dense is not None:  # aggregated across ranks: the merge made the dense average the payload decodes to
+            return payload, dense.view(grad.shape)
+        # Just made here, so not checked (the range checks would each synchronize a GPU); the same bits either way.
+        return payload, decode(payload["values"], payload["indices"], grad.shape, check_range=False)
+
+    def _compress(self, fqn: str, grad: torch.Tensor, comm: Comm | None) -> tuple[Payload, torch.Tensor | None]:
         flat = grad.reshape(-1)
         residual = self._residual.get(fqn) if self.error_feedback else None
         if residual is not None:
@@ -140,13 +150,8 @@ class TopKCompressor(Compressor):
                 acc.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             self._residual[fqn] = acc
         if comm is None or single:
-            return {"values": values, "indices": indices}
+            return {"values": values, "indices": indices}, None
         return merge_gathered(comm.all_gather(values), comm.all_gather(indices), flat.numel(), comm.world_size)
-
-    def compress_decode(self, fqn: str, grad: torch.Tensor, comm: Comm | None = None) -> tuple[Payload, torch.Tensor]:
-        payload = self.compress(fqn, grad, comm)
-        # Just made here, so not checked (the range checks would each synchronize a GPU); the same bits either way.
-        return payload, decode(payload["values"], payload["indices"], grad.shape, check_range=False)
 
     def payload_nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         return k_for(math.prod(shape), self.ratio) * (itemsize + 4)
@@ -159,16 +164,24 @@ class TopKCompressor(Compressor):
 
 
 def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], numel: int,
-                   world_size: int) -> Payload:
-    """Coalesce every rank's selection into one payload: the sum over ranks (added in rank order, so every
-    rank gets the same bits) divided by the world size, at the sorted union of the indices. At most
-    world_size x k entries, fewer where ranks chose the same index."""
+                   world_size: int) -> tuple[Payload, torch.Tensor]:
+    """Coalesce every rank's selection: the sum over ranks (added in rank order, so every rank gets the same bits)
+    divided by the world size, as a dense tensor, and the payload that decodes to it.
+
+    The payload holds every rank's indices, sorted (world_size x k entries), the dense values at each, and ``keep``:
+    1 at the first of equal indices, 0 at a repeat (uint8). How many indices the ranks share only the device knows:
+    dropping the repeats here (``torch.unique``) would make the host wait for it, once per parameter per step, in
+    backward. The segment writer drops them (lowdiff._storage.segment), so the log holds the sorted union (FORMAT.md
+    section 5); a repeat carries the same value as its first, so the entries kept do not depend on which is first."""
     dense = torch.zeros(numel, dtype=values[0].dtype, device=values[0].device)
     for v, i in zip(values, indices):
         dense.index_add_(0, i.long(), v)  # indices within one rank are unique: no atomics race on GPU
     dense.div_(world_size)
-    union = torch.unique(torch.cat(indices).long())  # sorted
-    return {"values": dense.index_select(0, union), "indices": union.to(torch.int32)}
+    idx = torch.sort(torch.cat(indices).long()).values
+    keep = torch.ones(idx.numel(), dtype=torch.uint8, device=idx.device)
+    if idx.numel() > 1:
+        torch.ne(idx[1:], idx[:-1], out=keep[1:].view(torch.bool))
+    return {"values": dense.index_select(0, idx), "indices": idx.to(torch.int32), "keep": keep}, dense
 
 
 def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...],

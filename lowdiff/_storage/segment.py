@@ -98,7 +98,7 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
     columns: dict[tuple[str, str], tuple[list[int], list[torch.Tensor], torch.Tensor]] = {}
     for i, r in enumerate(records):
         for pname, payload in r.grads.items():
-            for fname, t in payload.items():
+            for fname, t in kept(payload).items():
                 col = columns.get((pname, fname))
                 if col is None:
                     col = columns[(pname, fname)] = ([-1] * i, [], t)
@@ -143,6 +143,21 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
         meta["compressor_params"] = compressor_params
     return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec,
                            direct=direct)
+
+
+KEEP = "keep"
+"""A payload field no file holds: uint8, one per entry of the payload's other fields, 0 where the entry is a repeat to
+drop (Top-k's merge of the ranks' selections under DDP, lowdiff._compressors.topk.merge_gathered, whose size only
+the device knows; the training thread hands the fixed-size form over rather than wait for it)."""
+
+
+def kept(payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``payload`` as the log holds it: without :data:`KEEP` and the entries where it is 0 (host tensors)."""
+    keep = payload.get(KEEP)
+    if keep is None:
+        return payload
+    mask = keep.bool()
+    return {f: t[mask] for f, t in payload.items() if f != KEEP}
 
 
 def scale_of(r: StepRecord) -> float | None:

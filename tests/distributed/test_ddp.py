@@ -81,7 +81,7 @@ def test_grad_scaler_exact_and_no_device_sync(tmp_path: Path, compressor: str, p
     """A tracked GradScaler under DDP: the hook logs the scaled gradients and each step the factor the scaler
     unscaled them by; replay gives every step's state bit for bit, iterations the scaler skipped included. Each
     rank's training thread (the hook in backward, the step, the scaler's update) makes no device sync from lowdiff's
-    code in the steps watched (tests/sync_watch.py) but the two known ones (KNOWN_DDP_SYNCS)."""
+    code in the steps watched (tests/sync_watch.py) but the known one (KNOWN_DDP_SYNCS)."""
     ref = tmp_path / "ref.pt"
     torchrun(2, str(tmp_path / "run"), compressor, "10", str(ref), "--scaler", "--skip", "4", "7",
              "--sync-watch", "3", "--persistence", persistence)
@@ -99,10 +99,10 @@ KNOWN_DDP_SYNCS = {
     # A tracked GradScaler's state_dict() (torch's) reads the scale and the growth tracker with .item(); lowdiff
     # takes it at the end of every iteration (GradScaler.step() itself reads found_inf that way every iteration).
     "aten::_local_scalar_dense from _training/iteration.py encode_state",
-    # Top-k under DDP: the sorted union of the ranks' indices, whose size only the host learns (torch.unique).
-    "aten::_unique2 from _compressors/topk.py merge_gathered",
 }
-"""Device syncs lowdiff's code makes under DDP with a GradScaler, found by this test and left open (issue 35)."""
+"""Device syncs lowdiff's code makes under DDP with a GradScaler, found by this test and left open (issue 35). (It
+also found Top-k's merge of the ranks' selections taking their union with torch.unique, once per parameter per step
+in backward; the writer now drops the repeats: lowdiff._compressors.topk.merge_gathered.)"""
 
 
 def test_process_persistence_one_process_per_rank_exact(tmp_path: Path) -> None:

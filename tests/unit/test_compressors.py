@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from lowdiff import CorruptFileError
 from lowdiff._compressors import decode_payload, make_compressor, powersgd, topk
 from lowdiff._compressors.identity import IdentityCompressor
+from lowdiff._storage.segment import kept
 
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
 ratios = st.sampled_from([0.01, 0.1, 0.3, 0.5, 0.99, 1.0])
@@ -117,6 +118,29 @@ def test_topk_error_feedback_is_exact(seed: int, shape, ratio: float, steps: int
         residual = c.state_dict()["w"]["residual"].clone()
         assert torch.equal(residual + dec.reshape(-1), acc)
         assert bool((residual[dec.reshape(-1) != 0] == 0).all())
+
+
+@given(seed=st.integers(0, 2**31 - 1), numel=st.integers(1, 200), world=st.integers(2, 4), frac=st.floats(0.0, 1.0))
+def test_topk_merge_of_ranks_drops_repeats_on_the_host_to_the_sorted_union(seed: int, numel: int, world: int,
+                                                                            frac: float) -> None:
+    """Under DDP the merged payload keeps every rank's entries (no device sync for the union's size); the segment
+    writer's ``kept`` makes it the sorted union with each index's average over ranks, and both decode to the dense
+    average the optimizer consumes."""
+    g = torch.Generator().manual_seed(seed)
+    k = max(1, round(frac * numel))
+    values = [torch.randn(k, generator=g) for _ in range(world)]
+    indices = [torch.randperm(numel, generator=g)[:k].to(torch.int32) for _ in range(world)]
+    payload, dense = topk.merge_gathered(values, indices, numel, world)
+    assert all(t.numel() == world * k for t in payload.values())
+    got = kept(payload)
+    union = torch.unique(torch.cat(indices).long())
+    want = torch.zeros(numel)
+    for v, i in zip(values, indices):
+        want.index_add_(0, i.long(), v)
+    want.div_(world)
+    assert torch.equal(got["indices"], union.to(torch.int32)) and torch.equal(got["values"], want[union])
+    assert torch.equal(dense, want)
+    assert torch.equal(topk.decode(got["values"], got["indices"], (numel,)), want)
 
 
 def test_topk_without_error_feedback_keeps_no_residual() -> None:
