@@ -14,6 +14,7 @@ import torch
 
 from lowdiff._compressors.base import Comm, Compressor, Payload, StepPayloads, check_residual
 from lowdiff._compressors.step_buffers import StepBuffers
+from lowdiff._storage.segment import KEEP
 from lowdiff.errors import CorruptFileError, UnsupportedError
 
 # Below this many elements torch.topk is already cheap.
@@ -168,11 +169,12 @@ def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], nume
     """Coalesce every rank's selection: the sum over ranks (added in rank order, so every rank gets the same bits)
     divided by the world size, as a dense tensor, and the payload that decodes to it.
 
-    The payload holds every rank's indices, sorted (world_size x k entries), the dense values at each, and ``keep``:
-    1 at the first of equal indices, 0 at a repeat (uint8). How many indices the ranks share only the device knows:
-    dropping the repeats here (``torch.unique``) would make the host wait for it, once per parameter per step, in
-    backward. The segment writer drops them (lowdiff._storage.segment), so the log holds the sorted union (FORMAT.md
-    section 5); a repeat carries the same value as its first, so the entries kept do not depend on which is first."""
+    The payload holds every rank's indices, sorted (world_size x k entries), the dense values at each, and ``keep``
+    (:data:`lowdiff._storage.segment.KEEP`, uint8): 1 at the first of equal indices, 0 at a repeat. How many indices
+    the ranks share only the device knows: dropping the repeats here (``torch.unique``) would make the host wait for
+    it, once per parameter per step, in backward. The segment writer drops them (``kept``), so the log holds the
+    sorted union (FORMAT.md section 5); a repeat carries the same value as its first, so the entries kept do not
+    depend on which is first."""
     dense = torch.zeros(numel, dtype=values[0].dtype, device=values[0].device)
     for v, i in zip(values, indices):
         dense.index_add_(0, i.long(), v)  # indices within one rank are unique: no atomics race on GPU
@@ -181,7 +183,7 @@ def merge_gathered(values: list[torch.Tensor], indices: list[torch.Tensor], nume
     keep = torch.ones(idx.numel(), dtype=torch.uint8, device=idx.device)
     if idx.numel() > 1:
         torch.ne(idx[1:], idx[:-1], out=keep[1:].view(torch.bool))
-    return {"values": dense.index_select(0, idx), "indices": idx.to(torch.int32), "keep": keep}, dense
+    return {"values": dense.index_select(0, idx), "indices": idx.to(torch.int32), KEEP: keep}, dense
 
 
 def decode(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...],
