@@ -295,7 +295,7 @@ class BackgroundWriter:
         t0 = time.perf_counter()
         try:
             with collector_paused():  # the unpacked records die young (lowdiff._persist.gc_pause)
-                nbytes = self.run_dir.write_segment([r.item.unpacked() for r in batch], self.codec, self.compressor)
+                nbytes = self.run_dir.write_segment([r.item for r in batch], self.codec, self.compressor)
         except BaseException as e:
             self._fail(e)
             return

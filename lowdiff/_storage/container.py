@@ -52,6 +52,19 @@ def _u8(chunk: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128})
+
+
+def _byte_view(chunk: Any) -> memoryview:
+    """The bytes of a tensor (a contiguous CPU one: through numpy, without a torch call, each of which releases the
+    GIL that a training thread then takes: a snapshot has hundreds of tensors) or of a bytes-like object."""
+    if (isinstance(chunk, torch.Tensor) and chunk.dtype in _NUMPY_DTYPES and chunk.device.type == "cpu"
+            and not chunk.requires_grad and chunk.is_contiguous()):
+        return chunk.numpy().reshape(-1).view(np.uint8).data
+    return _u8(chunk).numpy().data
+
+
 def _small_tensors(raw: list[Any]) -> bool:
     """Several pieces, all tensors of one dtype, averaging under _SMALL_PIECE_BYTES (one pass: this runs for every
     column of every segment, Top-k: 152 columns x 10 steps)."""
@@ -78,26 +91,43 @@ def _flat_cat(raw: list[Any]) -> torch.Tensor:
 
 
 def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[EntryIn], codec: str, *,
-                    format_version: int = FORMAT_VERSION, direct: bool = True) -> int:
+                    format_version: int = FORMAT_VERSION, direct: bool = True, joined: memoryview | None = None
+                    ) -> int:
     """Write and atomically commit one container file; returns the bytes written.
 
     ``EntryIn.raw`` items may be tensors (their raw bytes are stored) or bytes-like objects. Raw bytes are
     handed to ``pwritev`` without copying (codec none) or joined with one ``torch.cat`` per entry before
     compression; either way the file is written with a handful of system calls, not one per tensor. ``direct``:
     the bulk bytes go past the page cache where the file system takes it (lowdiff._storage.direct_io).
+    ``joined``: the bytes of every entry, back to back in entry order; each entry's ``raw`` is then its one slice of
+    it (a log segment built from packed steps, lowdiff._storage.segment_packed), and with codec none it is written
+    as one piece.
     """
     descriptors: list[dict[str, Any]] = []
     chunks: list[Any] = []
     offset = 0
-    if codec == "none":
+    if joined is not None:
+        for e in entries:
+            (part,) = e.raw
+            n = part.nbytes
+            encoded = part if codec == "none" else codecs.encode(codec, part, _itemsize(e.fields.get("dtype")))
+            nbytes = memoryview(encoded).nbytes
+            descriptors.append({**e.fields, "name": e.name, "codec": codec, "offset": offset, "nbytes": nbytes,
+                                "raw_nbytes": n, "crc32": _crc32(encoded)})
+            offset += nbytes
+            if codec != "none":
+                chunks.append(encoded)
+        if codec == "none":
+            chunks.append(joined)
+    elif codec == "none":
         # Zero-copy: every piece is handed to pwritev as it is; crc32 chains over an entry's pieces.
         for e in entries:
             if _small_tensors(e.raw):  # many small pieces (top-k per step): one copy beats per-piece overhead
                 with torch.no_grad():
                     ps = [_flat_cat(e.raw)]
+                views = [v for v in (p.numpy().data for p in ps) if v.nbytes]
             else:
-                ps = [_u8(c) for c in e.raw]
-            views = [p.numpy().data for p in ps if p.numel()]
+                views = [v for v in map(_byte_view, e.raw) if v.nbytes]
             n = sum(v.nbytes for v in views)
             crc = 0
             for v in views:
@@ -109,16 +139,16 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
     else:
         for e in entries:
             if len(e.raw) == 1:
-                joined = _u8(e.raw[0])
+                flat = _u8(e.raw[0])
             elif not e.raw:
-                joined = torch.empty(0, dtype=torch.uint8)
+                flat = torch.empty(0, dtype=torch.uint8)
             elif all(isinstance(c, torch.Tensor) for c in e.raw) and len({c.dtype for c in e.raw}) == 1:
                 with torch.no_grad():
-                    joined = _flat_cat(e.raw)
+                    flat = _flat_cat(e.raw)
             else:
-                joined = torch.cat([_u8(c) for c in e.raw])
-            raw_nbytes = joined.numel()
-            encoded = codecs.encode(codec, joined.numpy().data, _itemsize(e.fields.get("dtype")))
+                flat = torch.cat([_u8(c) for c in e.raw])
+            raw_nbytes = flat.numel()
+            encoded = codecs.encode(codec, flat.numpy().data, _itemsize(e.fields.get("dtype")))
             nbytes = memoryview(encoded).nbytes
             descriptors.append({**e.fields, "name": e.name, "codec": codec, "offset": offset, "nbytes": nbytes,
                                 "raw_nbytes": raw_nbytes, "crc32": _crc32(encoded)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,6 +67,7 @@ _PLANS: OrderedDict[int, tuple[Any, Any, _Plan]] = OrderedDict()
 _PLANS_KEPT = 128
 """Split plans kept, by the identity of the ``places`` list (a layout's, reused every step), the latest used last."""
 _PLANS_LOCK = threading.Lock()
+_BYTE_PLANS: OrderedDict[int, tuple[Any, Any, BytePlan]] = OrderedDict()
 
 
 def _split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]]) -> _Plan:
@@ -94,6 +95,48 @@ def _split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[
         _PLANS[id(places)] = (places, regions, plan)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.popitem(last=False)
+    return plan
+
+
+class BytePlan(NamedTuple):
+    """Where each key of a layout lies in its packed buffer, as bytes (:func:`byte_plan`)."""
+
+    spans: list[tuple[int, int]]
+    """Per key, (byte offset in the buffer, bytes)."""
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    """Per key, its tensor's dtype and shape."""
+    grouped: list[int]
+    """The payload keys (a parameter's), grouped by parameter in order of first appearance, each parameter's fields
+    in their order: the order :func:`unpack` gives them in."""
+    nbytes: int
+    """The end of the last key's bytes."""
+
+
+def byte_plan(wire: Wire) -> BytePlan:
+    """The :class:`BytePlan` of a layout, computed once per layout (kept like :func:`views`'s split plans)."""
+    keys, regions, places = wire
+    with _PLANS_LOCK:
+        hit = _BYTE_PLANS.get(id(places))
+        if hit is not None and hit[0] is places and hit[1] is regions:
+            _BYTE_PLANS.move_to_end(id(places))
+            return hit[2]
+    at = [offset for _, offset, _ in regions]
+    spans = []
+    for r, shape in places:
+        n = math.prod(shape) * regions[r][0].itemsize
+        spans.append((at[r], n))
+        at[r] += n
+    by_name: dict[str, list[int]] = {}
+    for i, (name, _) in enumerate(keys):
+        if name:
+            by_name.setdefault(name, []).append(i)
+    plan = BytePlan(spans, [regions[r][0] for r, _ in places], [tuple(s) for _, s in places],
+                    [i for idx in by_name.values() for i in idx], max((a + n for a, n in spans), default=0))
+    with _PLANS_LOCK:
+        _BYTE_PLANS[id(places)] = (places, regions, plan)
+        while len(_BYTE_PLANS) > _PLANS_KEPT:
+            _BYTE_PLANS.popitem(last=False)
     return plan
 
 

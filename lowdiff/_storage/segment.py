@@ -18,6 +18,7 @@ import torch
 from lowdiff._storage.container import EntryIn, write_container
 from lowdiff._storage.format import LOG_DIR, UNSHARDED, Shard, dtype_name, segment_name
 from lowdiff._storage.packed import unpack as unpack_buffer
+from lowdiff._storage.segment_packed import packed_entries, uniform
 from lowdiff._storage.segment_reader import KIND, RNG_MAX_NBYTES, SegmentReader, StepData
 
 __all__ = ["KIND", "RNG_MAX_NBYTES", "SegmentReader", "StepData", "StepRecord", "write_segment"]
@@ -92,6 +93,13 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
     first, last = records[0].step, records[-1].step
     if [r.step for r in records] != list(range(first, last + 1)):
         raise ValueError(f"segment steps must be consecutive, got {[r.step for r in records]}")
+    plan = uniform(records, KEEP)
+    if plan is not None:  # the writer thread's steady state: one buffer built from the packed steps
+        built, joined = packed_entries(records, plan, _rng_entries(records))
+        return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND,
+                               _segment_meta(records, compressor, shard, run_id, branch, compressor_params), built,
+                               codec, direct=direct, joined=joined)
+    records = [r.unpacked() for r in records]
     entries: list[EntryIn] = []
     # One pass over (step, parameter, field), columns in order of first appearance: this is per-piece Python work
     # (Top-k: 152 columns x batch_steps), on the writer thread, holding the GIL.
@@ -132,17 +140,23 @@ def write_segment(run_dir: Path, records: list[StepRecord], codec: str, compress
         entries.append(EntryIn(f"buffer/{bname}", raw, {"dtype": dtype_name(like.dtype),
                                                         "inner_shape": list(like.shape), "counts": counts}))
     entries += _rng_entries(records)
+    return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND,
+                           _segment_meta(records, compressor, shard, run_id, branch, compressor_params), entries,
+                           codec, direct=direct)
+
+
+def _segment_meta(records: list[StepRecord], compressor: str, shard: Shard, run_id: str | None, branch: str | None,
+                  compressor_params: dict[str, Any] | None) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "first_step": first, "last_step": last, "compressor": compressor, "shard": [shard.index, shard.count],
-        "steps": [_step_meta(r) for r in records]}
+        "first_step": records[0].step, "last_step": records[-1].step, "compressor": compressor,
+        "shard": [shard.index, shard.count], "steps": [_step_meta(r) for r in records]}
     if run_id is not None:
         meta["run_id"] = run_id
     if branch is not None:
         meta["branch"] = branch
     if compressor_params is not None:
         meta["compressor_params"] = compressor_params
-    return write_container(run_dir / LOG_DIR / segment_name(first, last, shard), KIND, meta, entries, codec,
-                           direct=direct)
+    return meta
 
 
 KEEP = "keep"

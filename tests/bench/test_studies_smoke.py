@@ -1,7 +1,8 @@
 """The cheap studies of bench/studies/ (writebw, pagecache, membw: seconds each) run end to end with --smoke and
 write their JSON (never into bench/results/). Marked ``slow`` and skipped unless LOWDIFF_SLOW=1: studies are
 one-off measurements kept runnable, not the benchmarks a user runs (bench/studies/README.md). The other studies
-(gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand."""
+(gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand; gilwait
+runs its --smoke here."""
 
 from __future__ import annotations
 
@@ -48,3 +49,11 @@ def test_membw_smoke(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "membw.json").read_text())
     assert set(res["scaling"]) == {"compute", "memory"} and res["beside"]["median_s"]["copy"] > 0
     assert "## A gradient copy beside training" in (tmp_path / "membw.md").read_text()
+
+
+def test_gilwait_smoke(tmp_path: Path) -> None:
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        return  # Linux only: the study says so and exits
+    _run("gilwait.py", "--out", str(tmp_path / "gilwait.json"))
+    res = json.loads((tmp_path / "gilwait.json").read_text())["results"]
+    assert set(res) == {"topk", "powersgd"} and set(res["topk"]) == {"off", "thread", "process"}

@@ -1,0 +1,98 @@
+"""A log segment's bytes built straight from steps still packed with one layout (a writer thread's steady state).
+
+A segment stores each (parameter, field) as one column: its bytes at every step, back to back (segment.py). Each
+step arrives packed, its tensors back to back in one buffer (lowdiff._transfer.packing), so a column is the same
+byte range cut from every step's buffer. Turning each buffer into per-tensor views first and joining a column's
+views cost several torch calls per tensor and step (Top-k on the 41-block MLP: 328 tensors, 16 steps, 13 ms of
+the writer's CPU a segment, 9 of them making views); a writer thread's torch calls each release the GIL, which a
+Python-bound training thread takes in between and then waits to get back (docs/measurements/gil.md). Here the
+steps are stacked into one (steps x bytes) array with one numpy call, and each column is copied out of it with
+one more: per segment, a numpy call per column and no torch call per tensor. The result is one buffer holding
+every entry's bytes in entry order (write_container's ``joined``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowdiff._storage.container import EntryIn
+from lowdiff._storage.format import dtype_name
+from lowdiff._storage.packed import BytePlan, byte_plan
+
+
+def uniform(records: list[Any], keep_field: str) -> BytePlan | None:
+    """The byte plan of the layout every record is packed with; None where one is not packed, holds tensors outside
+    its buffer, is packed with another layout, or holds a ``keep_field`` (its repeats are dropped per step)."""
+    first = records[0].packed
+    if first is None:
+        return None
+    wire = first.layout.wire
+    for r in records:
+        if r.packed is None or r.grads or r.buffers or r.packed.layout.wire[2] is not wire[2]:
+            return None
+    if any(f == keep_field for _, f in wire[0]):
+        return None
+    return byte_plan(wire)
+
+
+def packed_entries(records: list[Any], plan: BytePlan, tail: list[EntryIn]) -> tuple[list[EntryIn], memoryview]:
+    """The entries of ``records`` (all packed as ``plan`` says): the gradient columns, then each buffer at the
+    steps where its bytes changed, then ``tail`` (small entries of tensors: the RNG states), and one buffer
+    holding all their bytes in that order; each entry's ``raw`` is its slice of it."""
+    keys = records[0].packed.layout.wire[0]
+    steps = len(records)
+    rows = [r.packed.buf.numpy()[:plan.nbytes] for r in records]
+    stacked = np.stack(rows)  # one copy of every step: columns are then strided slices of it
+    entries: list[EntryIn] = []
+    pieces: list[tuple[Any, int]] = []  # (source, bytes) in output order
+    for k in plan.grouped:
+        a, n = plan.spans[k]
+        shape = plan.shapes[k]
+        entries.append(EntryIn(f"grad/{keys[k][0]}/{keys[k][1]}", [], {
+            "dtype": dtype_name(plan.dtypes[k]), "inner_shape": [-1, *shape[1:]] if shape else [-1],
+            "counts": [n // plan.dtypes[k].itemsize] * steps}))
+        pieces.append((stacked[:, a:a + n], n * steps))
+    for k, (name, bname) in enumerate(keys):
+        if name:
+            continue
+        a, n = plan.spans[k]
+        counts, changed, prev = [], [], None
+        for row in rows:
+            # The stager hands every buffer over every step (telling which changed would synchronize the device):
+            # bytes equal to the step before's are left out, as if they had not been handed over.
+            cur = row.data[a:a + n]
+            if prev is not None and cur == prev:
+                counts.append(-1)
+            else:
+                counts.append(n // plan.dtypes[k].itemsize)
+                changed.append(cur)
+            prev = cur
+        entries.append(EntryIn(f"buffer/{bname}", [], {"dtype": dtype_name(plan.dtypes[k]),
+                                                       "inner_shape": list(plan.shapes[k]), "counts": counts}))
+        pieces.append((changed, n * len(changed)))
+    for e in tail:
+        flat = [_u8(t) for t in e.raw]
+        entries.append(EntryIn(e.name, [], e.fields))
+        pieces.append((flat, sum(v.nbytes for v in flat)))
+    out = np.empty(sum(n for _, n in pieces), dtype=np.uint8)
+    view = out.data
+    at = 0
+    for e, (src, n) in zip(entries, pieces):
+        dst = out[at:at + n]
+        if isinstance(src, np.ndarray):
+            np.copyto(dst.reshape(src.shape), src)
+        else:
+            o = 0
+            for v in src:
+                dst[o:o + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
+                o += v.nbytes
+        e.raw.append(view[at:at + n])
+        at += n
+    return entries, view
+
+
+def _u8(t: torch.Tensor) -> memoryview:
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
