@@ -45,8 +45,7 @@ from lowdiff._persist.writer import WriterEvents
 from lowdiff._storage import atomic
 from lowdiff._storage.format import Shard
 from lowdiff._storage.lock import WriterLock
-from lowdiff._storage.packed import unpack as unpack_step
-from lowdiff._storage.packed import unpack_skeleton
+from lowdiff._storage.packed import Received, unpack_skeleton
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -269,12 +268,13 @@ class Session:
             self.pending[0].release()
         rid, ring = self.rings["r"]
         assert rid == msg.ring_id, (rid, msg.ring_id)
-        grads, buffers = unpack_step(self.layouts[msg.layout_id], ring.buf[msg.offset:msg.offset + msg.nbytes])
+        # Kept packed: the writer builds its segment from the packed steps (lowdiff._storage.segment_packed).
+        packed = Received(ring.buf[msg.offset:msg.offset + msg.nbytes], self.layouts[msg.layout_id])
         if msg.groups is not None:
             self._groups = msg.groups
         if msg.rng is not None:
             self._rng = _rng_tensors(msg.rng)
-        rec = StepRecord(step=msg.step, groups=self._groups, grads=grads, buffers=buffers, data=msg.data,
+        rec = StepRecord(step=msg.step, groups=self._groups, grads={}, packed=packed, data=msg.data,
                          skipped=msg.skipped, rng=self._rng, grad_scale=msg.grad_scale)
         ring_id, aid = msg.ring_id, msg.aid
         self.pending = (Staged(rec, None, lambda: self.reporter.free("r", ring_id, aid)), msg.keep_if_orphaned)

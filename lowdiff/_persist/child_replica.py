@@ -49,7 +49,7 @@ class PacedReplica:
             return
         rec = staged.item
         try:
-            writer.shadow.apply(rec)
+            writer.shadow.apply(rec.unpacked())
         except BaseException as e:
             self._failed(rec.step, e)
             writer.submit_record(staged)
@@ -74,6 +74,8 @@ class PacedReplica:
         rec = staged.item
         rec.grads = {n: {f: t.clone() for f, t in p.items()} for n, p in rec.grads.items()}
         rec.buffers = {n: t.clone() for n, t in rec.buffers.items()}
+        if rec.packed is not None:
+            rec.packed = rec.packed.owned()
         staged.release()
         with self._held_lock:
             self.held += 1

@@ -60,7 +60,7 @@ def _byte_view(chunk: Any) -> memoryview:
     """The bytes of a tensor (a contiguous CPU one: through numpy, without a torch call, each of which releases the
     GIL that a training thread then takes: a snapshot has hundreds of tensors) or of a bytes-like object."""
     if (isinstance(chunk, torch.Tensor) and chunk.dtype in _NUMPY_DTYPES and chunk.device.type == "cpu"
-            and not chunk.requires_grad and chunk.is_contiguous()):
+            and not chunk.requires_grad and chunk.is_contiguous() and not chunk.is_conj() and not chunk.is_neg()):
         return chunk.numpy().reshape(-1).view(np.uint8).data
     return _u8(chunk).numpy().data
 

@@ -140,6 +140,35 @@ def byte_plan(wire: Wire) -> BytePlan:
     return plan
 
 
+class ReadLayout:
+    """What a reader holds of a layout: its :data:`Wire` (the ``layout`` of a :class:`Received` step)."""
+
+    __slots__ = ("wire",)
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+
+    @property
+    def payload_nbytes(self) -> int:
+        plan = byte_plan(self.wire)
+        return sum(plan.spans[k][1] for k in plan.grouped)
+
+
+class Received:
+    """A step packed in ``buf`` (uint8) as ``layout.wire`` places it, as the persistence process receives it: what
+    ``StepRecord.packed`` holds on the writer's side (the trainer's is lowdiff._transfer.packing.PackedStep)."""
+
+    __slots__ = ("buf", "layout")
+
+    def __init__(self, buf: torch.Tensor, wire: Wire) -> None:
+        self.buf = buf
+        self.layout = ReadLayout(wire)
+
+    def owned(self) -> Received:
+        """A copy whose buffer is its own (the ring slot can be given back)."""
+        return Received(self.buf[:byte_plan(self.layout.wire).nbytes].clone(), self.layout.wire)
+
+
 def _fill(obj: Any, placed: list[torch.Tensor]) -> Any:
     if isinstance(obj, Ref):
         return placed[obj.i]

@@ -11,14 +11,16 @@ import torch
 
 from lowdiff._storage.container import ContainerReader
 from lowdiff._storage.format import LOG_DIR
+from lowdiff._storage.packed import Received
 from lowdiff._storage.segment import KIND, StepRecord, write_segment
 from lowdiff._transfer.packing import PackedStep, StepPacker, pack_host
 
 STEPS = 6
 
 
-def _records(packer: StepPacker, tensors_at: list[list[torch.Tensor]], keys: list[tuple[str, str]]
-             ) -> list[StepRecord]:
+def _records(packer: StepPacker, tensors_at: list[list[torch.Tensor]], keys: list[tuple[str, str]],
+             received: bool = False) -> list[StepRecord]:
+    """Packed as the training side packs them, or (``received``) as the persistence process holds them."""
     out = []
     for i, tensors in enumerate(tensors_at):
         layout, _ = packer.plan(keys, tensors)
@@ -27,7 +29,8 @@ def _records(packer: StepPacker, tensors_at: list[list[torch.Tensor]], keys: lis
         pack_host(layout, tensors, buf)
         rng = {"torch": torch.tensor([i // 2, 7, 9], dtype=torch.uint8)}  # changes every other step
         out.append(StepRecord(step=10 + i, groups=[{"lr": 0.1 * i}], grads={}, rng=rng,
-                              data={"epoch": i}, packed=PackedStep(buf, layout)))
+                              data={"epoch": i},
+                              packed=Received(buf, layout.wire) if received else PackedStep(buf, layout)))
     return out
 
 
@@ -57,12 +60,15 @@ def _index(path: Path) -> list[dict]:
         return sorted(r.entries.values(), key=lambda d: d["offset"])
 
 
+@pytest.mark.parametrize("received", [False, True])
 @pytest.mark.parametrize("codec", ["none", "zstd"])
-def test_a_segment_from_packed_steps_equals_the_one_from_their_tensors(tmp_path: Path, codec: str) -> None:
+def test_a_segment_from_packed_steps_equals_the_one_from_their_tensors(tmp_path: Path, codec: str,
+                                                                       received: bool) -> None:
     keys, steps = _steps()
-    packed = _records(StepPacker(), steps, keys)
+    packed = _records(StepPacker(), steps, keys, received)
     unpacked = [r.unpacked() for r in _records(StepPacker(), steps, keys)]
     assert all(r.packed is None for r in unpacked) and all(r.packed is not None for r in packed)
+    assert [r.payload_nbytes for r in packed] == [r.payload_nbytes for r in unpacked]
     paths = []
     for name, records in (("packed", packed), ("unpacked", unpacked)):
         d = tmp_path / name
