@@ -3,8 +3,8 @@
 A segment stores each (parameter, field) as one column: its bytes at every step, back to back (segment.py). Each
 step arrives packed, its tensors back to back in one buffer (lowdiff._transfer.packing), so a column is the same
 byte range cut from every step's buffer. Turning each buffer into per-tensor views first and joining a column's
-views cost several torch calls per tensor and step (Top-k on the 41-block MLP: 328 tensors, 16 steps, 13 ms of
-the writer's CPU a segment, 9 of them making views); a writer thread's torch calls each release the GIL, which a
+views cost several torch calls per tensor and step (Top-k on the 41-block MLP: 328 tensors, 16 steps, about 22 ms
+of the writer's CPU a segment, against 15 ms this way); a writer thread's torch calls each release the GIL, which a
 Python-bound training thread takes in between and then waits to get back (docs/measurements/gil.md). Here the
 steps are stacked into one (steps x bytes) array with one numpy call, and each column is copied out of it with
 one more: per segment, a numpy call per column and no torch call per tensor. The result is one buffer holding
