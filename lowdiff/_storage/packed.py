@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -62,6 +63,7 @@ def views(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, t
     return placed
 
 
+T = TypeVar("T")
 _Plan = list[tuple[list[int], list[int], "tuple[int, ...] | None", list[tuple[int, ...]]]]
 _PLANS: OrderedDict[int, tuple[Any, Any, _Plan]] = OrderedDict()
 _PLANS_KEPT = 128
@@ -73,11 +75,11 @@ _BYTE_PLANS: OrderedDict[int, tuple[Any, Any, BytePlan]] = OrderedDict()
 def _split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]]) -> _Plan:
     """Per region: the indices of its places in order, the sizes to split it into (rows, or elements when the
     tensors do not share a row shape), the row shape (None: split flat, then view each) and the shapes."""
-    with _PLANS_LOCK:  # the writer thread and the training thread (a snapshot) may both unpack
-        hit = _PLANS.get(id(places))
-        if hit is not None and hit[0] is places and hit[1] is regions:  # kept alive here: ids are not reused
-            _PLANS.move_to_end(id(places))
-            return hit[2]
+    return _kept(_PLANS, places, regions, lambda: _build_split_plan(regions, places))
+
+
+def _build_split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[int, tuple[int, ...]]]
+                      ) -> _Plan:
     members: list[list[int]] = [[] for _ in regions]
     for i, (r, _) in enumerate(places):
         members[r].append(i)
@@ -91,10 +93,22 @@ def _split_plan(regions: list[tuple[torch.dtype, int, int]], places: list[tuple[
             rows = None
             sizes = [math.prod(s) for s in shapes]
         plan.append((idx, sizes, rows, shapes))
+    return plan
+
+
+def _kept(cache: OrderedDict[int, tuple[Any, Any, Any]], places: Any, regions: Any, build: Callable[[], T]) -> T:
+    """``build()``'s plan of a layout, kept in ``cache`` by the identity of its ``places`` list (the latest used
+    last, at most _PLANS_KEPT): the writer thread and the training thread (a snapshot) may both ask."""
     with _PLANS_LOCK:
-        _PLANS[id(places)] = (places, regions, plan)
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
+        hit = cache.get(id(places))
+        if hit is not None and hit[0] is places and hit[1] is regions:  # kept alive here: ids are not reused
+            cache.move_to_end(id(places))
+            return hit[2]
+    plan = build()
+    with _PLANS_LOCK:
+        cache[id(places)] = (places, regions, plan)
+        while len(cache) > _PLANS_KEPT:
+            cache.popitem(last=False)
     return plan
 
 
@@ -115,12 +129,11 @@ class BytePlan(NamedTuple):
 
 def byte_plan(wire: Wire) -> BytePlan:
     """The :class:`BytePlan` of a layout, computed once per layout (kept like :func:`views`'s split plans)."""
+    return _kept(_BYTE_PLANS, wire[2], wire[1], lambda: _build_byte_plan(wire))
+
+
+def _build_byte_plan(wire: Wire) -> BytePlan:
     keys, regions, places = wire
-    with _PLANS_LOCK:
-        hit = _BYTE_PLANS.get(id(places))
-        if hit is not None and hit[0] is places and hit[1] is regions:
-            _BYTE_PLANS.move_to_end(id(places))
-            return hit[2]
     at = [offset for _, offset, _ in regions]
     spans = []
     for r, shape in places:
@@ -131,13 +144,8 @@ def byte_plan(wire: Wire) -> BytePlan:
     for i, (name, _) in enumerate(keys):
         if name:
             by_name.setdefault(name, []).append(i)
-    plan = BytePlan(spans, [regions[r][0] for r, _ in places], [tuple(s) for _, s in places],
+    return BytePlan(spans, [regions[r][0] for r, _ in places], [tuple(s) for _, s in places],
                     [i for idx in by_name.values() for i in idx], max((a + n for a, n in spans), default=0))
-    with _PLANS_LOCK:
-        _BYTE_PLANS[id(places)] = (places, regions, plan)
-        while len(_BYTE_PLANS) > _PLANS_KEPT:
-            _BYTE_PLANS.popitem(last=False)
-    return plan
 
 
 class ReadLayout:
