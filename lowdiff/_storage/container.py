@@ -58,8 +58,13 @@ _NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.in
 
 def _byte_view(chunk: Any) -> memoryview:
     """The bytes of a tensor (a contiguous CPU one: through numpy, without a torch call, each of which releases the
-    GIL that a training thread then takes: a snapshot has hundreds of tensors) or of a bytes-like object."""
-    if (isinstance(chunk, torch.Tensor) and chunk.dtype in _NUMPY_DTYPES and chunk.device.type == "cpu"
+    GIL that a training thread then takes: a snapshot has hundreds of tensors) or of a bytes-like object (as it lies,
+    when contiguous: memory a direct write may take from where it is)."""
+    if not isinstance(chunk, torch.Tensor):
+        v = memoryview(chunk)
+        if v.c_contiguous:
+            return v.cast("B") if v.format != "B" or v.ndim != 1 else v
+    elif (chunk.dtype in _NUMPY_DTYPES and chunk.device.type == "cpu"
             and not chunk.requires_grad and chunk.is_contiguous() and not chunk.is_conj() and not chunk.is_neg()):
         return chunk.numpy().reshape(-1).view(np.uint8).data
     return _u8(chunk).numpy().data
@@ -158,7 +163,9 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
     tmp = atomic.tmp_path(path)
     try:
         atomic.ensure_space(tmp.parent, offset + len(index))
-        with h5py.File(tmp, "w") as f:
+        # A data region of direct_io.MIN_BYTES or more starts at a multiple of direct_io.ALIGN in the file: all of
+        # it can then go past the page cache, from the caller's memory where that is aligned too.
+        with h5py.File(tmp, "w", alignment_threshold=direct_io.MIN_BYTES, alignment_interval=direct_io.ALIGN) as f:
             f.attrs["format"] = FORMAT_NAME
             f.attrs["format_version"] = format_version
             f.attrs["kind"] = kind

@@ -7,7 +7,10 @@ slows through the shared caches and memory bandwidth (docs/measurements/directio
 from a reused, aligned bounce buffer, the same bytes cost a copy (about 25 ms) and the device's DMA.
 
 ``O_DIRECT`` wants offsets, lengths and memory aligned to the device's block: the data region's unaligned head and
-tail go through the page cache as before, the aligned middle directly, in blocks of :data:`BOUNCE_BYTES`. Where the
+tail go through the page cache as before, the aligned middle directly. A stretch of the caller's memory that is
+itself aligned (a log segment built into lowdiff._storage.segment_packed's page-aligned buffer, in a data region the
+container aligns in the file) is written from where it lies; the rest is copied through a bounce buffer in blocks of
+:data:`BOUNCE_BYTES`. Where the
 file system refuses ``O_DIRECT`` (tmpfs, many FUSE file systems) at the open or at a write, or a write comes back
 short, the rest is written buffered (a refusal costs one system call per file). Everything still goes through the
 write seam (``lowdiff.testing.intercept_writes``), and the caller fsyncs the file as before (an ``fsync`` covers the
@@ -31,6 +34,9 @@ ALIGN = 4096
 MIN_BYTES = 1 << 20
 """Data regions smaller than this are written buffered: a second descriptor costs more than it saves."""
 BOUNCE_BYTES = 8 << 20
+OWN_BYTES = 256 << 20
+"""The most bytes of the caller's aligned memory written by one call (Linux writes at most 2 GiB - 4 kB a call; a
+short direct write sends the rest of its block through the page cache)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; not on macOS or Windows
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -88,23 +94,28 @@ def probe(directory: os.PathLike[str] | str) -> bool:
 
 def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> None:
     """The aligned middle, ``start`` to ``end``: directly while the file system takes it, then through the page
-    cache."""
-    bounce = _take_bounce()
+    cache. Aligned stretches of the caller's memory go as they are, the rest through the bounce buffer."""
+    bounce: mmap.mmap | None = None
     try:
-        buf = np.frombuffer(bounce, dtype=np.uint8)
         pos, refused = start, False
         while pos < end:
-            k = min(BOUNCE_BYTES, end - pos)
+            own, k = stream.next_block(min(BOUNCE_BYTES, end - pos), min(OWN_BYTES, end - pos))
             pieces = stream.take(k)
             if refused:
                 atomic.pwrite_all(fd, pieces, pos)
                 pos += k
                 continue
-            at = 0
-            for p in pieces:  # numpy's copy releases the GIL (a writer thread shares it with training)
-                np.copyto(buf[at:at + p.nbytes], np.frombuffer(p, dtype=np.uint8))
-                at += p.nbytes
-            block = memoryview(bounce)[:k]
+            if own:
+                (block,) = pieces  # the caller's aligned memory, written from where it lies
+            else:
+                if bounce is None:
+                    bounce = _take_bounce()
+                buf = np.frombuffer(bounce, dtype=np.uint8)
+                at = 0
+                for p in pieces:  # numpy's copy releases the GIL (a writer thread shares it with training)
+                    np.copyto(buf[at:at + p.nbytes], np.frombuffer(p, dtype=np.uint8))
+                    at += p.nbytes
+                block = memoryview(bounce)[:k]
             try:
                 n = atomic.pwritev(dfd, [block], pos)
             except OSError as e:
@@ -116,7 +127,8 @@ def _write_middle(dfd: int, fd: int, stream: _Stream, start: int, end: int) -> N
                 atomic.pwrite_all(fd, [block[n:]], pos + n)
             pos += k
     finally:
-        _give_bounce(bounce)
+        if bounce is not None:
+            _give_bounce(bounce)
 
 
 def _take_bounce() -> mmap.mmap:
@@ -141,6 +153,22 @@ class _Stream:
         self._i = 0
         self._at = 0
 
+    def next_block(self, bounced: int, limit: int) -> tuple[bool, int]:
+        """The next block at an aligned position: ``(True, n)`` when the memory at the front is aligned and holds
+        ``n`` (a multiple of ALIGN, at most ``limit``) bytes to write from where they lie; else ``(False, n)``, at most
+        ``bounced`` bytes to copy through the bounce buffer, ending where a view of aligned memory starts at an
+        aligned distance (that view then goes as it is)."""
+        v, at = self._views[self._i], self._at
+        if v.nbytes - at >= ALIGN and _address(v, at) % ALIGN == 0:
+            return True, min((v.nbytes - at) // ALIGN * ALIGN, limit)
+        d, i = v.nbytes - at, self._i + 1
+        while d < bounced and i < len(self._views):
+            w = self._views[i]
+            if d % ALIGN == 0 and w.nbytes >= ALIGN and _address(w, 0) % ALIGN == 0:
+                return False, d
+            d, i = d + w.nbytes, i + 1
+        return False, bounced
+
     def take(self, n: int) -> list[memoryview]:
         out: list[memoryview] = []
         while n > 0:
@@ -152,3 +180,8 @@ class _Stream:
             if self._at == v.nbytes:
                 self._i, self._at = self._i + 1, 0
         return out
+
+
+def _address(v: memoryview, at: int) -> int:
+    """The memory address of byte ``at`` of ``v``."""
+    return int(np.frombuffer(v, dtype=np.uint8).ctypes.data) + at

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import h5py
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -49,13 +52,23 @@ class Watch:
         return n
 
 
+def _aligned(data: bytes, skew: int = 0) -> memoryview:
+    """``data`` in page-aligned memory (an anonymous mmap), starting ``skew`` bytes into it."""
+    page = np.frombuffer(mmap.mmap(-1, max(len(data) + skew, 1)), dtype=np.uint8)
+    page[skew:skew + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return page[skew:skew + len(data)].data
+
+
 def _entries(sizes: list[int], seed: int) -> list[EntryIn]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, n in enumerate(sizes):
         t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-        # Tensors, views at odd offsets into a larger tensor, and bytes: pieces whose memory is not aligned either.
-        raw: list[Any] = [t] if i % 3 == 0 else [t[1:], bytes(t[:1].numpy())] if i % 3 == 1 else [bytes(t.numpy())]
+        # Tensors, views at odd offsets into a larger tensor, bytes, and page-aligned memory (written from where it
+        # lies when its place in the file is aligned too), at the start of a page or not.
+        kind = (i + seed) % 4
+        raw: list[Any] = ([t] if kind == 0 else [t[1:], bytes(t[:1].numpy())] if kind == 1
+                          else [bytes(t.numpy())] if kind == 2 else [_aligned(bytes(t.numpy()), (seed % 3) * 2048)])
         out.append(EntryIn(f"e{i}", raw, {}))
     return out
 
@@ -93,7 +106,37 @@ def test_direct_and_buffered_files_are_the_same_bytes(direct_dir: Path, sizes: l
 
 
 def _big() -> list[EntryIn]:
-    return _entries([3 * MB + 17, 5, 2 * MB + 4093], seed=3)
+    return _entries([3 * MB + 17, 5, 2 * MB + 4093, 3 * MB], seed=3)
+
+
+def test_aligned_memory_goes_past_the_page_cache_from_where_it_lies(direct_dir: Path) -> None:
+    """A container of a few MB has its data region at an aligned file offset; an entry in page-aligned memory at an
+    aligned place in it is written straight from that memory (no copy through the bounce buffer), the entries
+    around it as before, and the file holds the same bytes as one written through the page cache."""
+    g = torch.Generator().manual_seed(0)
+    blobs = [bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy())
+             for n in (3 * MB, 2 * MB + 5, 3 * MB)]
+    first, middle = _aligned(blobs[0]), _aligned(blobs[2])
+    entries = [EntryIn("a", [first], {}), EntryIn("b", [blobs[1]], {}), EntryIn("c", [middle], {})]
+    spans = {name: (np.frombuffer(v, dtype=np.uint8).ctypes.data, v.nbytes) for name, v in (("a", first),
+                                                                                            ("c", middle))}
+    sources: list[tuple[int, int]] = []
+
+    def watch(fd: int, buffers: list[Any], offset: int) -> int:
+        if _is_direct(fd):
+            sources.extend((np.frombuffer(b, dtype=np.uint8).ctypes.data, memoryview(b).nbytes) for b in buffers)
+        return real_pwritev(fd, buffers, offset)
+
+    a, b = direct_dir / "a.h5", direct_dir / "b.h5"
+    with intercept_writes(pwritev=watch):
+        write_container(a, "snapshot", {}, entries, "none", direct=True)
+    write_container(b, "snapshot", {}, entries, "none", direct=False)
+    assert a.read_bytes() == b.read_bytes()
+    with h5py.File(a, "r") as f:
+        assert f["data"].id.get_offset() % 4096 == 0
+    assert (spans["a"][0], 3 * MB) in sources, "the first entry was not written from its own memory"
+    # "c" lies at 5 MB + 5 in the data: not aligned in the file, so it is copied (its memory is not reused as is).
+    assert all(not spans["c"][0] <= addr < spans["c"][0] + spans["c"][1] for addr, _ in sources)
 
 
 @pytest.mark.parametrize("how", ["refused", "short", "enospc"])

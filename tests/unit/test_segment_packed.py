@@ -3,9 +3,15 @@ holds the same entries, byte for byte, as the segment written from the same step
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
 from pathlib import Path
+from typing import Any
 
+import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +20,7 @@ from lowdiff._storage.format import LOG_DIR
 from lowdiff._storage.packed import Received
 from lowdiff._storage.segment import KIND, StepRecord, write_segment
 from lowdiff._transfer.packing import PackedStep, StepPacker, pack_host
+from lowdiff.testing import intercept_writes, real_pwritev, takes_direct_io
 
 STEPS = 6
 
@@ -101,3 +108,75 @@ def test_steps_packed_with_different_layouts_are_written_from_their_tensors(tmp_
     (path,) = (tmp_path / LOG_DIR).iterdir()
     counts = {d["name"]: d["counts"] for d in _index(path)}
     assert counts["grad/w/values"] == [7, 7, -1] and counts["grad/w/indices"] == [7, 7, 7]
+
+
+def _big_steps(n: int, seed: int) -> tuple[list[tuple[str, str]], list[list[torch.Tensor]]]:
+    """``STEPS`` steps of a Top-k-like payload of ``n`` entries: a segment of about ``STEPS * 8 * n`` bytes."""
+    g = torch.Generator().manual_seed(seed)
+    keys = [("w", "values"), ("w", "indices"), ("", "bn.running_mean")]
+    return keys, [[torch.randn(n, generator=g), torch.randint(0, 1 << 30, (n,), generator=g, dtype=torch.int32),
+                   torch.randn(3, generator=g)] for _ in range(STEPS)]
+
+
+def _write_pair(root: Path, name: str, keys: list[tuple[str, str]], steps: list[list[torch.Tensor]]) -> None:
+    """The segment from packed steps and from the same steps unpacked; asserts they are the same file contents."""
+    paths = []
+    for kind, records in (("packed", _records(StepPacker(), steps, keys)),
+                          ("unpacked", [r.unpacked() for r in _records(StepPacker(), steps, keys)])):
+        d = root / name / kind
+        (d / LOG_DIR).mkdir(parents=True)
+        write_segment(d, records, "none", "topk")
+        (path,) = (d / LOG_DIR).iterdir()
+        paths.append(path)
+    assert _contents(paths[0]) == _contents(paths[1]), name
+    assert _index(paths[0]) == _index(paths[1]), name
+
+
+def test_segments_written_one_after_another_and_from_two_threads_keep_their_own_bytes(tmp_path: Path) -> None:
+    """The writing thread keeps the buffers a segment is built in for its next segment: segments that grow, shrink
+    and grow past what was kept, one after another and from two threads at once, each hold their own steps."""
+    sizes = [40_000, 3, 90_000, 1_000, 300_000]  # 1.9 MB, 0.1 kB, 4.3 MB, 48 kB, 14 MB of gradient bytes
+    for i, n in enumerate(sizes):
+        _write_pair(tmp_path, f"seq{i}", *_big_steps(n, seed=i))
+    errors: list[BaseException] = []
+
+    def writer(t: int) -> None:
+        try:
+            for i, n in enumerate([90_000] * 6):  # the same size in both: each reuses what it kept
+                _write_pair(tmp_path, f"t{t}-{i}", *_big_steps(n + t, seed=10 * t + i))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+
+
+def test_a_large_segment_goes_to_the_device_from_the_buffer_it_was_built_in(tmp_path: Path) -> None:
+    """The segment's bytes are joined in page-aligned memory and its data region is aligned in the file, so a
+    direct write takes them from where they lie: no block is copied through a reused bounce buffer first (each
+    direct write comes from memory no other one used)."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT (tmpfs?)")
+    addresses: list[tuple[int, int]] = []
+
+    def watch(fd: int, buffers: list[Any], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            addresses.extend((np.frombuffer(b, dtype=np.uint8).ctypes.data, offset) for b in buffers)
+        return real_pwritev(fd, buffers, offset)
+
+    keys, steps = _big_steps(400_000, seed=3)  # 19 MB: more than one bounce buffer's worth
+    (tmp_path / LOG_DIR).mkdir()
+    with intercept_writes(pwritev=watch):
+        write_segment(tmp_path, _records(StepPacker(), steps, keys), "none", "topk")
+    (path,) = (tmp_path / LOG_DIR).iterdir()
+    with h5py.File(path, "r") as f:
+        data_offset = f["data"].id.get_offset()
+    assert data_offset % 4096 == 0, "the data region of a large container starts at an aligned file offset"
+    assert addresses, "nothing went past the page cache"
+    assert len({a for a, _ in addresses}) == len(addresses), f"a buffer was reused for several blocks: {addresses}"
+    assert addresses[0][1] == data_offset
