@@ -2,7 +2,7 @@
 write their JSON (never into bench/results/). Marked ``slow`` and skipped unless LOWDIFF_SLOW=1: studies are
 one-off measurements kept runnable, not the benchmarks a user runs (bench/studies/README.md). The other studies
 (gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand; gilwait
-runs its --smoke here."""
+and segwrite run their --smoke here."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def test_gilwait_smoke(tmp_path: Path) -> None:
     _run("gilwait.py", "--out", str(tmp_path / "gilwait.json"))
     res = json.loads((tmp_path / "gilwait.json").read_text())["results"]
     assert set(res) == {"topk", "powersgd"} and set(res["topk"]) == {"off", "thread", "process"}
+
+
+def test_segwrite_smoke(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    _run("segwrite.py", "--trees", str(ROOT), str(ROOT), "--out", str(tmp_path / "segwrite.json"), "--work", str(work))
+    res = json.loads((tmp_path / "segwrite.json").read_text())
+    assert [r["compressor"] for r in res["rows"]] == ["topk", "powersgd"]
+    assert all(r["new_cpu_ms"] > 0 and len(r["old_runs"]) == 2 for r in res["rows"])
+    assert list(work.iterdir()) == []  # its segments removed
