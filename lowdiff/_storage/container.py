@@ -63,7 +63,10 @@ def _byte_view(chunk: Any) -> memoryview:
     if not isinstance(chunk, torch.Tensor):
         v = memoryview(chunk)
         if v.c_contiguous:
-            return v.cast("B") if v.format != "B" or v.ndim != 1 else v
+            try:
+                return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+            except (TypeError, ValueError):  # a format memoryview cannot cast (a byte order prefix): copied below
+                pass
     elif (chunk.dtype in _NUMPY_DTYPES and chunk.device.type == "cpu"
             and not chunk.requires_grad and chunk.is_contiguous() and not chunk.is_conj() and not chunk.is_neg()):
         return chunk.numpy().reshape(-1).view(np.uint8).data
