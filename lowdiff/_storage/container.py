@@ -228,6 +228,7 @@ def _allocate_data(f: h5py.File, nbytes: int) -> int:
     dcpl.set_layout(h5py.h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)  # no timestamp: the same entries make the same file, byte for byte
     dsid = h5py.h5d.create(f.id, b"data", h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl)
     offset = dsid.get_offset()
     if offset is None:
