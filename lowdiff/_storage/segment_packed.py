@@ -32,7 +32,7 @@ from lowdiff._storage.packed import BytePlan, byte_plan
 KEEP_BYTES = 128 << 20
 """The largest buffer a thread keeps for its next segment; a larger segment's buffers are made afresh and freed."""
 _GRAIN = 1 << 20
-_kept = threading.local()  # per writing thread: a writer thread, a persistence process's writer
+_scratch = threading.local()  # per writing thread: a writer thread, a persistence process's writer
 
 
 def uniform(records: list[Any], keep_field: str) -> BytePlan | None:
@@ -110,13 +110,13 @@ def packed_entries(records: list[Any], plan: BytePlan, tail: list[EntryIn]) -> t
 def _buffer(name: str, nbytes: int) -> np.ndarray:
     """A page-aligned uint8 array of ``nbytes``: the calling thread's kept ``name`` buffer where it is large enough.
     Its contents are the previous segment's until overwritten: every byte of the result is written before use."""
-    kept = getattr(_kept, name, None)
+    kept = getattr(_scratch, name, None)
     if kept is not None and kept.nbytes >= nbytes:
         return kept[:nbytes]
     size = max(-(-nbytes // _GRAIN) * _GRAIN, _GRAIN)
     buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
     if size <= KEEP_BYTES:
-        setattr(_kept, name, buf)
+        setattr(_scratch, name, buf)
     return buf[:nbytes]
 
 
