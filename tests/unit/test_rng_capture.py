@@ -207,3 +207,22 @@ def test_captures_read_the_generators_directly_not_through_get_state(monkeypatch
     assert calls["numpy"] - before["numpy"] <= 1 and calls["python"] - before["python"] <= 1, calls  # periodic check
     assert bytes(state[lowdiff_rng.NUMPY].numpy()) == expected_numpy_bytes()
     assert bytes(state[lowdiff_rng.PYTHON].numpy()) == _python_bytes(real_py())
+
+
+def test_a_capture_after_a_full_cycle_of_draws_is_not_the_last_one_again(keep_python_state: None) -> None:
+    """The direct reads reuse the state they made last when the generator's memory is unchanged. A full cycle of
+    624 words (312 doubles) leaves numpy's position and Python's index where they were with every word of the state
+    regenerated: only a comparison of the whole memory tells the two apart. Every capture, repeated or not, must
+    equal the documented states (torch's included, copied out of its tensor)."""
+    np.random.seed(3)
+    random.seed(3)
+    for draws in (0, 0, 312, 0, 312, 1, 0, 624):
+        np.random.random_sample(draws)
+        for _ in range(draws):
+            random.random()
+        for _ in range(2):
+            state = lowdiff_rng.capture_raw()
+            assert state.raw[lowdiff_rng.NUMPY] == expected_numpy_bytes(), draws
+            assert state.raw[lowdiff_rng.PYTHON] == _python_bytes(random.getstate()), draws
+            assert state.raw[lowdiff_rng.TORCH] == bytes(torch.get_rng_state().numpy()), draws
+        torch.rand(draws)
