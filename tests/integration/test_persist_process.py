@@ -253,6 +253,49 @@ def test_the_persistence_process_dying_after_a_reported_error_is_reported_too(tm
     disk.opt.close()
 
 
+def test_a_write_error_reaches_a_step_without_a_flush(tmp_path: Path) -> None:
+    """Steps read the persistence process's replies only when the count it keeps in shared memory has moved: a
+    failed segment write must still reach a later ``opt.step()`` on its own, not only the next flush."""
+    disk = _FullDisk(tmp_path / "run")
+    with pytest.raises(lowdiff.CheckpointWriteError, match="No space left"):
+        for _ in range(200):
+            disk.step()
+            time.sleep(0.02)
+    disk.opt.close()
+
+
+def test_a_killed_persistence_process_is_reported_by_the_second_step_after(tmp_path: Path) -> None:
+    """A step no longer polls the socket for replies; the death of the persistence process is seen when the next
+    step's hand-over fails, and raised by the step after it at the latest."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, {
+        "run_dir": str(tmp_path / "run"), "compressor": {"name": "none"},
+        "log": {"batch_steps": 2, "persistence": "process"}})
+
+    def step() -> None:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):
+        step()
+    opt.flush()
+    (child,) = [c for c in _descendants(os.getpid())
+                if "lowdiff._persist.child" in Path(f"/proc/{c}/cmdline").read_text()]
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    # Every thread gone, not only the main one: the socket closes with the last (a writer thread in the middle of
+    # an fsync outlives the main thread's exit).
+    while not (_gone(child) and len(list(Path(f"/proc/{child}/task").glob("*"))) <= 1):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    step()  # its hand-over finds the socket closed
+    with pytest.raises(lowdiff.CheckpointWriteError, match=rf"persistence process \(pid {child}\).*exited"):
+        step()
+    opt.close()
+
+
 def test_each_failed_write_in_the_persistence_process_is_reported_as_itself(tmp_path: Path) -> None:
     """Every write fails (a full disk): each error the trainer raises names its own file. The persistence process
     kept its first error and sent that text again for every later failure."""
