@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 import pickle
 import signal
@@ -64,15 +63,9 @@ ORPHAN_LOCK_WAIT_S = 10.0
 class Reporter:
     """Messages back to the training process, from this process's main and writer threads."""
 
-    def __init__(self, conn: Connection, replies_fd: int | None = None) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
-        # The count of replies sent, in memory the trainer maps (lowdiff._persist.process_channel): it reads the
-        # socket only when the count has moved. Raised after the write, so a reply it counts is on the socket.
-        self._count: memoryview | None = None
-        if replies_fd is not None:
-            self._count = memoryview(mmap.mmap(replies_fd, 8)).cast("Q")
-            os.close(replies_fd)
         self.gone = False
         self.writer: BackgroundWriter | None = None
         self._gathering: int | None = None  # the thread whose frees are gathered into one message (gathered())
@@ -87,9 +80,6 @@ class Reporter:
                 self.conn.send_bytes(data)
             except OSError:
                 self.gone = True  # the trainer is gone: keep committing, stop reporting
-                return
-            if self._count is not None:
-                self._count[0] += 1
 
     def free(self, kind: str, ring_id: int, aid: int) -> None:
         if self._gathering == threading.get_ident():
@@ -128,7 +118,7 @@ class Reporter:
                             cpu_clock=time.process_time)
 
 
-def main(fd: int, replies_fd: int | None = None) -> None:
+def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=fd).detach())
@@ -145,7 +135,7 @@ def main(fd: int, replies_fd: int | None = None) -> None:
         # The replica's first optimizer step imports torch._dynamo (2 s here): before Ready, so that the wait
         # counts as start-up, not as a slow disk.
         import torch._dynamo  # noqa: F401
-    reporter = Reporter(conn, replies_fd)
+    reporter = Reporter(conn)
     writer = BackgroundWriter(run_dir, batch_steps=w["batch_steps"], codec=w["codec"], compressor=w["compressor"],
                               queue_depth=w["queue_depth"], retention=RetentionPolicy(w["retention"]),
                               durable_step=w["durable_step"], shadow=start.shadow, events=reporter.events(),
@@ -358,4 +348,4 @@ class _NoLock:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    main(int(sys.argv[1]))

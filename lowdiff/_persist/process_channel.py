@@ -6,7 +6,6 @@ messages point into are :class:`lowdiff._persist.process_writer.ProcessWriter`'s
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import select
 import socket
@@ -59,29 +58,19 @@ class Channel:
         # The child inherits the lock on persist-RANK.lock and holds it until it exits: a trainer restarted on this
         # run directory waits for it (lowdiff._storage.lock.wait_for_persistence).
         lock_fd = take_persistence_lock(run_dir.path, run_dir.shard.index)
-        # One shared word: how many replies the persistence process has sent. A step reads it instead of polling the
-        # socket (a system call, 20-25 us a step with the caches cold after a training step); replies come once a
-        # segment. Its death is seen when a send fails (every step hands a record over) or while waiting for it.
-        replies_fd = os.memfd_create("lowdiff-replies", os.MFD_CLOEXEC)
-        os.ftruncate(replies_fd, 8)
-        self._replies_map = mmap.mmap(replies_fd, 8)
-        self._replies_sent = memoryview(self._replies_map).cast("Q")
-        self._replies_seen = 0
         try:
             # In a session of its own: a signal to the trainer's process group (torchrun's SIGTERM and SIGKILL to
             # the other ranks when one fails, a Ctrl-C, a terminal's SIGHUP) does not reach it, even while it is
             # still importing torch, before it ignores SIGTERM.
-            self.proc = subprocess.Popen([sys.executable, "-m", "lowdiff._persist.child", str(theirs.fileno()),
-                                          str(replies_fd)],
-                                         pass_fds=(theirs.fileno(), lock_fd, replies_fd), env=env,
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "lowdiff._persist.child", str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(), lock_fd), env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(lock_fd)
-            os.close(replies_fd)
         theirs.close()
         self.conn = Connection(ours.detach())
-        # Replies are read once per step when the shared count says there are any: one poll(2) on a poller kept for
-        # it (Connection.poll builds a selector per call).
+        # Replies are looked for once per step: one poll(2) on a poller kept for it (Connection.poll builds a
+        # selector per call).
         self._replies = select.poll()
         self._replies.register(self.conn.fileno(), select.POLLIN)
         m.send(self.conn, start)
@@ -154,14 +143,7 @@ class Channel:
         send_handle(self.conn, fd, self.proc.pid)
 
     def drain(self) -> None:
-        """Read the replies already there, without waiting: none when the persistence process has sent none since
-        the last look (its shared count; a reply read while waiting makes the next look poll once for nothing)."""
-        if self.dead or self.closed:
-            return
-        sent = self._replies_sent[0]
-        if sent == self._replies_seen:
-            return
-        self._replies_seen = sent
+        """Read the replies already there, without waiting."""
         while not self.dead and not self.closed and self._replies.poll(0):
             self.recv(block=False)
 
@@ -207,8 +189,6 @@ class Channel:
         """Close the socket and reap the process (it has been told to close, or is gone)."""
         self.closed = True
         self.conn.close()
-        self._replies_sent.release()
-        self._replies_map.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
