@@ -1,8 +1,8 @@
 """The cheap studies of bench/studies/ (writebw, pagecache, membw: seconds each) run end to end with --smoke and
 write their JSON (never into bench/results/). Marked ``slow`` and skipped unless LOWDIFF_SLOW=1: studies are
 one-off measurements kept runnable, not the benchmarks a user runs (bench/studies/README.md). The other studies
-(gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand; gilwait
-and segwrite run their --smoke here."""
+(gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand; gilwait,
+segwrite and stepcpu run their --smoke here."""
 
 from __future__ import annotations
 
@@ -67,3 +67,11 @@ def test_segwrite_smoke(tmp_path: Path) -> None:
     assert [r["compressor"] for r in res["rows"]] == ["topk", "powersgd"]
     assert all(r["new_cpu_ms"] > 0 and len(r["old_runs"]) == 2 for r in res["rows"])
     assert list(work.iterdir()) == []  # its segments removed
+
+
+def test_stepcpu_smoke(tmp_path: Path) -> None:
+    _run("stepcpu.py", "--trees", str(ROOT), str(ROOT), "--out", str(tmp_path / "stepcpu.json"))
+    res = json.loads((tmp_path / "stepcpu.json").read_text())
+    assert [(r["compressor"], r["persistence"]) for r in res["rows"]] == [
+        ("topk", "thread"), ("topk", "process"), ("powersgd", "thread"), ("powersgd", "process")]
+    assert all(len(r["old_runs"]) == 2 and len(r["new_runs"]) == 2 for r in res["rows"])
