@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _trees import alternate
 
 HERE = Path(__file__).resolve()
 
@@ -90,20 +90,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    old, new = (str(Path(t).resolve()) for t in args.trees)
-    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
-    for r in range(args.rounds):
-        for name, tree in (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old)):
-            cmd = [sys.executable, str(HERE), "--worker", "--reps", str(args.reps), "--steps", str(args.steps),
-                   "--blocks", str(args.blocks), "--width", str(args.width), "--compressors", *args.compressors]
-            if args.work:
-                cmd += ["--work", args.work]
-            env = {**os.environ, "PYTHONPATH": tree}
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
-            res = json.loads(out.strip().splitlines()[-1])
-            runs[name].append(res)
-            print(f"round {r + 1}/{args.rounds} {name}: " + ", ".join(
-                f"{c} {res[c]['cpu_ms']:.1f} ms CPU" for c in args.compressors), flush=True)
+    cmd = [sys.executable, str(HERE), "--worker", "--reps", str(args.reps), "--steps", str(args.steps),
+           "--blocks", str(args.blocks), "--width", str(args.width), "--compressors", *args.compressors]
+    if args.work:
+        cmd += ["--work", args.work]
+    old, new, runs = alternate(args.trees, args.rounds, cmd, lambda res: ", ".join(
+        f"{c} {res[c]['cpu_ms']:.1f} ms CPU" for c in args.compressors))
     rows = []
     for c in args.compressors:
         o = [x[c]["cpu_ms"] for x in runs["old"]]

@@ -22,13 +22,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from _trees import alternate
 
 HERE = Path(__file__).resolve()
 sys.path.insert(1, str(HERE.parents[1]))  # bench/faststep.py; lowdiff itself comes from PYTHONPATH
@@ -66,20 +66,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    old, new = (str(Path(t).resolve()) for t in args.trees)
-    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
-    for r in range(args.rounds):
-        for name, tree in (("old", old), ("new", new)) if r % 2 == 0 else (("new", new), ("old", old)):
-            cmd = [sys.executable, str(HERE), "--worker", "--blocks", str(args.blocks), "--width", str(args.width),
-                   "--warmup", str(args.warmup), "--window", str(args.window), "--windows", str(args.windows),
-                   "--compressors", *args.compressors, "--persistence", *args.persistence]
-            env = {**os.environ, "PYTHONPATH": tree}
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=True).stdout
-            res = json.loads(out.strip().splitlines()[-1])
-            runs[name].append(res)
-            print(f"round {r + 1}/{args.rounds} {name}: " + "; ".join(
-                f"{c} " + ", ".join(f"{p} {res[c][p]:+.3f}" for p in args.persistence) for c in args.compressors)
-                + " ms", flush=True)
+    cmd = [sys.executable, str(HERE), "--worker", "--blocks", str(args.blocks), "--width", str(args.width),
+           "--warmup", str(args.warmup), "--window", str(args.window), "--windows", str(args.windows),
+           "--compressors", *args.compressors, "--persistence", *args.persistence]
+    old, new, runs = alternate(args.trees, args.rounds, cmd, lambda res: "; ".join(
+        f"{c} " + ", ".join(f"{p} {res[c][p]:+.3f}" for p in args.persistence) for c in args.compressors) + " ms",
+        timeout=1800)
     rows = []
     for c in args.compressors:
         for p in args.persistence:
