@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # lowdiff on a GPU in one command (issue 35): on a bare machine with one NVIDIA GPU (H100/H200) and this repository
-# copied to it, install what is missing, run the GPU tests, then the overhead benchmark, and write the page.
+# copied to it, install what is missing, run the guards, the overhead benchmark and the GPU tests, write the page.
 #
 #   bash bench/gpu.sh [WHEEL_DIR]        # WHEEL_DIR: wheels to install from, offline (pip --no-index); without
 #                                        # it, pip asks its registry for what is missing
 #   bash bench/gpu.sh --dry-run          # (or LOWDIFF_GPU_DRYRUN=1) the same steps at tiny sizes on the CPU
 #
-# Parts, each under its own time limit (about 7 minutes in all, the install included):
+# Parts, each under its own time limit (about 6 minutes where torch is there, 10 at the limits; the figures come
+# before the longest tests, so that a run cut short by the lease still brings the page back):
 #   1. install  (120 s)  torch and lowdiff's dependencies, only if `import` fails; lowdiff itself from this tree
 #                        (PYTHONPATH, nothing installed)
 #   2. guards    (90 s)  tests/integration/test_step_guards.py on the GPU (LOWDIFF_GUARD_DEVICE=cuda): no device
 #                        synchronization (a TorchDispatchMode, and torch.cuda.set_sync_debug_mode("error") around
 #                        lowdiff's own calls in opt.step(), the inner optimizer's step left out), no waits for copies,
-#                        constant Python work per step
-#   3. gpu tests (90 s)  tests/integration/test_gpu.py (exact recovery on the GPU, kills, AMP)
-#   4. overhead (150 s)  bench/overhead.py --device cuda --model-size 50m: GPT 49.6M, Top-k, PowerSGD and none,
-#                        log.persistence thread and process, each against the same compressor with enabled: false,
-#                        in interleaved windows; writes OUT/overhead-gpu.{json,md}
+#                        constant Python work per step (18 tests, 43 s on an H200)
+#   3. overhead (240 s)  bench/overhead.py --device cuda --model-size 50m: GPT 49.6M, Top-k and PowerSGD with
+#                        log.persistence thread and process, none with the thread (disk-bound: 198 MB a step), each
+#                        against the same compressor with enabled: false, in interleaved windows; writes
+#                        OUT/overhead-gpu.{json,md}. Warm-up and setup took 94 s on an H200 with none twice (its
+#                        writer waits on a 480 MB/s disk), a round 15 s
+#   4. gpu tests (150 s) tests/integration/test_gpu.py (exact recovery on the GPU, kills, AMP): 13 of its 16 tests
+#                        took 86 s on an H200
 # Everything lands in OUT (LOWDIFF_GPU_OUT, default bench/results/gpu): gpu.log, the pytest logs, the page. A part
 # that fails or runs out of time is reported and the next one runs; the exit status is that of the first failure.
 set -uo pipefail
@@ -28,7 +32,7 @@ WHEELS=""
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) WHEELS=$arg ;;
     esac
 done
@@ -98,16 +102,8 @@ else
         tests/integration/test_step_guards.py --junitxml="$OUT/guards.xml"
 fi
 
-# 3. the GPU tests (skipped on the CPU) ------------------------------------------------------------------------------
-if [ "$DRY" = 1 ]; then
-    part gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_gpu.py --collect-only
-else
-    part gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -x tests/integration/test_gpu.py \
-        --junitxml="$OUT/gpu-tests.xml"
-fi
-
-# 4. the overhead benchmark ----------------------------------------------------------------------------------------
-MODES=lowdiff-topk,lowdiff-topk-process,lowdiff-powersgd,lowdiff-powersgd-process,lowdiff-none,lowdiff-none-process
+# 3. the overhead benchmark ----------------------------------------------------------------------------------------
+MODES=lowdiff-topk,lowdiff-topk-process,lowdiff-powersgd,lowdiff-powersgd-process,lowdiff-none
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/lowdiff-gpu.XXXXXX")
 if [ "$DRY" = 1 ]; then
     part overhead 120 "$PY" bench/overhead.py --smoke --device cpu --modes "$MODES" --no-memory --tidy \
@@ -115,10 +111,18 @@ if [ "$DRY" = 1 ]; then
 else
     # 6 rounds of interleaved windows (10 lowdiff steps, 5 plain), snapshots every 50 steps, the disk's bandwidth
     # measured after; --tidy keeps the disk use to one snapshot per mode.
-    part overhead 150 "$PY" bench/overhead.py --device cuda --model-size 50m --modes "$MODES" --rounds 6 \
+    part overhead 240 "$PY" bench/overhead.py --device cuda --model-size 50m --modes "$MODES" --rounds 6 \
         --no-memory --tidy --bw-reps 3 --out-dir "$OUT" --out-name overhead-gpu --work-dir "$WORK"
 fi
 rm -rf "$WORK"
+
+# 4. the GPU tests (skipped on the CPU) ------------------------------------------------------------------------------
+if [ "$DRY" = 1 ]; then
+    part gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_gpu.py --collect-only
+else
+    part gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -x tests/integration/test_gpu.py \
+        --junitxml="$OUT/gpu-tests.xml"
+fi
 
 say "done in $(( $(date +%s) - T0 ))s, status $STATUS; page: $OUT/overhead-gpu.md, log: $LOG"
 exit $STATUS

@@ -5,13 +5,14 @@ the DDP ranks (tests/distributed/ddp_worker.py ``--sync-watch``).
 What counts: ``_local_scalar_dense``, ``equal``, ``nonzero``, ``masked_select``, ``unique``, ``is_nonzero`` and
 copies to the host that are not non-blocking into pinned memory. On the CPU nothing synchronizes, so each op is
 judged by what it would be on a GPU (``device``: where the model lives): a ``.to("cpu")`` of a tensor is a
-device-to-host copy there. An op is lowdiff's when the innermost frame outside torch that led to it is in lowdiff;
-anything under ``torch.optim`` (the inner optimizer's own step) is not."""
+device-to-host copy there. An op is lowdiff's when the innermost frame outside torch and Python's standard library
+that led to it is in lowdiff; anything under ``torch.optim`` (the inner optimizer's own step) is not."""
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 from collections import Counter
 from pathlib import Path
@@ -25,9 +26,18 @@ import lowdiff
 LOWDIFF_DIR = str(Path(lowdiff.__file__).resolve().parent) + os.sep
 TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 OPTIM_DIR = TORCH_DIR + "optim" + os.sep
+STDLIB_DIR = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
 SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
            "aten::item", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim",
            "aten::unique_consecutive", "aten::nonzero_numpy"}
+
+
+def _passes_through(filename: str) -> bool:
+    """torch's own code and Python's standard library: an op made there on lowdiff's behalf is lowdiff's (a
+    ``weakref.WeakKeyDictionary`` lookup compares tensors with ``==``, a ``bool()`` of a device tensor)."""
+    if filename.startswith(TORCH_DIR):
+        return True
+    return filename.startswith(STDLIB_DIR) and "-packages" + os.sep not in filename
 
 
 def _attributed(frame: Any) -> str | None:
@@ -38,7 +48,7 @@ def _attributed(frame: Any) -> str | None:
         f = frame.f_code.co_filename
         if f.startswith(OPTIM_DIR):
             return None  # inside the inner optimizer's step: its own ops
-        if culprit is None and not f.startswith(TORCH_DIR):
+        if culprit is None and not _passes_through(f):
             if not f.startswith(LOWDIFF_DIR):
                 return None
             culprit = f"{f[len(LOWDIFF_DIR):]}:{frame.f_lineno} {frame.f_code.co_name}"

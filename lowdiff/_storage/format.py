@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import weakref
@@ -219,27 +220,32 @@ TAGS = ("__tensor__", "__tuple__", "__counter__", "__items__")
 """The tagged forms; a dict using one of these as a key is stored as ``__items__`` (so it stays unambiguous)."""
 
 
-_ENCODED: weakref.WeakKeyDictionary[torch.Tensor, tuple[int, dict[str, Any]]] = weakref.WeakKeyDictionary()
-"""One-element tensors encoded before, with their version counter then: a tensor hyperparameter (a learning rate on
-the GPU) is encoded twice a step, and reading its value makes the host wait for the device; unchanged since (same
-version), the encoding is reused."""
+_ENCODED: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[str, Any]]] = {}
+"""One-element tensors encoded before, by ``id``, with a weak reference to each and its version counter then: a
+tensor hyperparameter (a learning rate on the GPU) is encoded twice a step, and reading its value makes the host wait
+for the device; unchanged since (same tensor, same version), the encoding is reused. Not a ``WeakKeyDictionary``:
+its lookup compares keys with ``==``, and ``bool()`` of a device tensor's comparison is itself such a wait."""
+
+
+def _forget(ref: weakref.ref[torch.Tensor], key: int) -> None:
+    entry = _ENCODED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _ENCODED[key]
 
 
 def _encoded_tensor(value: torch.Tensor) -> dict[str, Any]:
     try:
         version = value._version
-        hit = _ENCODED.get(value)
     except (RuntimeError, TypeError):  # inference tensors have no version counter
-        version, hit = -1, None
-    if hit is not None and hit[0] == version >= 0:
-        return hit[1]
+        version = -1
+    hit = _ENCODED.get(id(value)) if version >= 0 else None
+    if hit is not None and hit[0]() is value and hit[1] == version:
+        return hit[2]
     out = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "value": value.detach().cpu().item(),
            "device": value.device.type}
     if version >= 0:
-        try:
-            _ENCODED[value] = (version, out)
-        except TypeError:
-            pass
+        key = id(value)
+        _ENCODED[key] = (weakref.ref(value, functools.partial(_forget, key=key)), version, out)
     return out
 
 
