@@ -110,9 +110,11 @@ if [ "$DRY" = 1 ]; then
         --out-dir "$OUT" --out-name overhead-gpu --work-dir "$WORK"
 else
     # 6 rounds of interleaved windows (10 lowdiff steps, 5 plain), snapshots every 50 steps, the disk's bandwidth
-    # measured after; --tidy keeps the disk use to one snapshot per mode.
+    # measured after; --tidy keeps the disk use to one snapshot per mode. Segments of 10 steps for Top-k and
+    # PowerSGD (the window's length, the most it allows): the tuner picked 55 for Top-k on an H100; the H200 run of
+    # 2026-11-29 used the benchmark's default of 2, each segment's fsync and commit then paid every other step.
     part overhead 240 "$PY" bench/overhead.py --device cuda --model-size 50m --modes "$MODES" --rounds 6 \
-        --no-memory --tidy --bw-reps 3 --out-dir "$OUT" --out-name overhead-gpu --work-dir "$WORK"
+        --batch-steps 10 --no-memory --tidy --bw-reps 3 --out-dir "$OUT" --out-name overhead-gpu --work-dir "$WORK"
 fi
 rm -rf "$WORK"
 

@@ -59,6 +59,12 @@ COMPRESSION_NOTE = ("compress/step of the lowdiff modes: opt.step() of lowdiff.w
                     "timed apart from the windows after the rounds (synchronized on a GPU); naivediff's is its own "
                     "delta computation, timed inside its steps.")
 
+WATCH_NOTE = ("lowdiff's parameter-write watch (it warns once when parameters change outside opt.step(), "
+              "docs/guide/exact-resume.md) fires in every lowdiff mode at its first window after another mode's, "
+              "since all modes train one shared model, and checks nothing after its warning: its per-step cost, "
+              "about 0.1 ms of training-thread CPU on the 2-core machine (docs/measurements/stepcpu.md, where each "
+              "twin has a model of its own), is not in these figures.")
+
 
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,
                 batch_steps: dict[str, int], with_dcp: bool, device: torch.device, auto: dict[str, Any] | None = None,
@@ -312,6 +318,7 @@ def main() -> None:
         results = run(modes, ctx, batches, rounds, args.tidy, t_start)
         if any(isinstance(m, LowDiffMode) for m in modes):
             notes.append(COMPRESSION_NOTE)
+            notes.append(WATCH_NOTE)
         print(f"  rounds done at {time.perf_counter() - t_start:.0f} s; bandwidth test", flush=True)
         bandwidth = measure_bandwidth(modes, work, bw_reps)
         for m in modes:
