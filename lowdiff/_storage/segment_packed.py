@@ -12,8 +12,10 @@ every entry's bytes in entry order (write_container's ``joined``).
 
 Both buffers are kept by the writing thread for its next segment (up to :data:`KEEP_BYTES` each): fresh ones cost
 the writer a page fault and the kernel a page of zeros per 4 kB, every segment (about 4.5 of the 7 ms that stacking
-and joining 14 MB took). The joined buffer is page-aligned, and the container aligns its data region in the file, so
-a direct write takes it from where it lies, without the bounce copy (lowdiff._storage.direct_io).
+and joining 14 MB took; copying 192 MB into a fresh buffer took 200-280 ms on the 2-core VM, into a kept one 13-16
+ms, and with the old 128 MB limit compressor none's 198 MB segments of a 50M model paid that twice a segment). The
+joined buffer is page-aligned, and the container aligns its data region in the file, so a direct write takes it from
+where it lies, without the bounce copy (lowdiff._storage.direct_io).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from lowdiff._storage.container import EntryIn
 from lowdiff._storage.format import dtype_name
 from lowdiff._storage.packed import BytePlan, byte_plan
 
-KEEP_BYTES = 128 << 20
-"""The largest buffer a thread keeps for its next segment; a larger segment's buffers are made afresh and freed."""
+KEEP_BYTES = 1 << 30
+"""The largest buffer a thread keeps for its next segment; a larger segment's buffers are made afresh and freed.
+Segments of a run are of about one size, so a kept buffer raises the writer's memory between segments, not its
+peak."""
 _GRAIN = 1 << 20
 _scratch = threading.local()  # per writing thread: a writer thread, a persistence process's writer
 
@@ -57,8 +61,10 @@ def packed_entries(records: list[Any], plan: BytePlan, tail: list[EntryIn]) -> t
     keys = records[0].packed.layout.wire[0]
     steps = len(records)
     rows = [r.packed.buf.numpy()[:plan.nbytes] for r in records]
-    # One copy of every step: columns are then strided slices of it.
-    stacked = np.stack(rows, out=_buffer("stacked", steps * plan.nbytes).reshape(steps, plan.nbytes))
+    # One copy of every step: columns are then strided slices of it. A one-step segment (compressor none's, a
+    # step's whole gradient) is sliced from its step's buffer as it lies.
+    stacked = rows[0].reshape(1, plan.nbytes) if steps == 1 else \
+        np.stack(rows, out=_buffer("stacked", steps * plan.nbytes).reshape(steps, plan.nbytes))
     entries: list[EntryIn] = []
     pieces: list[tuple[Any, int]] = []  # (source, bytes) in output order
     for k in plan.grouped:
