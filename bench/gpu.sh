@@ -15,11 +15,11 @@
 #                        lowdiff's own calls in opt.step(), the inner optimizer's step left out), no waits for copies,
 #                        constant Python work per step (18 tests, 43 s on an H200)
 #   3. overhead (240 s)  bench/overhead.py --device cuda --model-size 50m: GPT 49.6M, Top-k and PowerSGD with
-#                        log.persistence thread and process, none with the thread (disk-bound: 198 MB a step), each
+#                        log.persistence thread and process, none with the thread (198 MB logged a step), each
 #                        against the same compressor with enabled: false, in interleaved windows; writes
 #                        OUT/overhead-gpu.{json,md}. Warm-up and setup took 94 s on an H200 with none twice (its
-#                        writer waits on a 480 MB/s disk), a round 15 s
-#   4. gpu tests (150 s) tests/integration/test_gpu.py (exact recovery on the GPU, kills, AMP): 13 of its 16 tests
+#                        writer at 470-500 MB/s, before cd1c022), a round 15 s
+#   4. gpu tests (150 s) tests/integration/test_gpu.py (exact recovery on the GPU, kills, AMP): 13 of its 14 tests
 #                        took 86 s on an H200
 # Everything lands in OUT (LOWDIFF_GPU_OUT, default bench/results/gpu): gpu.log, the pytest logs, the page. A part
 # that fails or runs out of time is reported and the next one runs; the exit status is that of the first failure.

@@ -61,9 +61,9 @@ COMPRESSION_NOTE = ("compress/step of the lowdiff modes: opt.step() of lowdiff.w
 
 WATCH_NOTE = ("lowdiff's parameter-write watch (it warns once when parameters change outside opt.step(), "
               "docs/guide/exact-resume.md) fires in every lowdiff mode at its first window after another mode's, "
-              "since all modes train one shared model, and checks nothing after its warning: its per-step cost, "
-              "about 0.1 ms of training-thread CPU on the 2-core machine (docs/measurements/stepcpu.md, where each "
-              "twin has a model of its own), is not in these figures.")
+              "since all modes train one shared model, and checks nothing after its warning: its per-step cost "
+              "(about 0.1 ms of training-thread CPU in an in-loop probe on the 2-core machine) is not in these "
+              "figures; bench/faststep.py and bench/studies/stepcpu.py give each twin a model of its own.")
 
 
 def build_modes(names: list[str] | None, ks: list[int], every: int, window: int, ld_window: int, codec: str,

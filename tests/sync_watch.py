@@ -26,7 +26,8 @@ import lowdiff
 LOWDIFF_DIR = str(Path(lowdiff.__file__).resolve().parent) + os.sep
 TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
 OPTIM_DIR = TORCH_DIR + "optim" + os.sep
-STDLIB_DIR = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+STDLIB_DIRS = tuple({str(Path(sysconfig.get_paths()["stdlib"])) + os.sep,
+                     str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep})
 SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select", "aten::is_nonzero",
            "aten::item", "aten::unique", "aten::_unique", "aten::_unique2", "aten::unique_dim",
            "aten::unique_consecutive", "aten::nonzero_numpy"}
@@ -35,9 +36,9 @@ SYNCING = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::m
 def _passes_through(filename: str) -> bool:
     """torch's own code and Python's standard library: an op made there on lowdiff's behalf is lowdiff's (a
     ``weakref.WeakKeyDictionary`` lookup compares tensors with ``==``, a ``bool()`` of a device tensor)."""
-    if filename.startswith(TORCH_DIR):
+    if filename.startswith(TORCH_DIR) or filename.startswith("<frozen "):  # frozen: os, _collections_abc, ...
         return True
-    return filename.startswith(STDLIB_DIR) and "-packages" + os.sep not in filename
+    return filename.startswith(STDLIB_DIRS) and "-packages" + os.sep not in filename
 
 
 def _attributed(frame: Any) -> str | None:
