@@ -113,8 +113,9 @@ def small_rings() -> Iterator[None]:
 
 @contextmanager
 def copies_in_flight(make_event: Callable[[str], Any]) -> Iterator[None]:
-    """While open: every copy of a step's record or of a snapshot to host memory is reported complete only when
-    ``make_event(kind)`` says so (``kind``: "step" or "snapshot"), an object with ``query()`` (True once complete,
+    """While open: every copy of a step's record, of a snapshot, or of a one-element tensor lowdiff logs (a tensor
+    learning rate, a GradScaler's scale) to host memory is reported complete only when ``make_event(kind)`` says so
+    (``kind``: "step", "snapshot" or "scalar"), an object with ``query()`` (True once complete,
     without waiting) and ``synchronize()`` (wait for it), as a ``torch.cuda.Event``. The bytes are copied at once;
     only their completion is what the test says. A CPU test of how lowdiff treats copies still running on a GPU
     (who waits for them, and when) runs with it.

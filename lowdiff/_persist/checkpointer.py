@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from lowdiff._persist.snapshot_policy import FixedInterval, SnapshotPolicy
 from lowdiff._persist.thread_writer import BackgroundWriter
 from lowdiff._persist.writer import Writer, WriterStats
 from lowdiff._storage.format import STOP_DIR, Shard, snapshot_name
+from lowdiff._storage.later import Later
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -211,13 +212,13 @@ class Checkpointer:
         iteration ends; the writer thread does not (reading a GradScaler's state is a device sync)."""
         return self._writer is not None and not isinstance(self._writer, BackgroundWriter)
 
-    def on_end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
-                     ) -> None:
+    def on_end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
+                     later: Sequence[Later] = ()) -> None:
         """The end state of the held ``record``'s iteration is known (its tracked objects' end calls have run),
         before the iteration formally ends: a persistence process commits the record with it should the training
-        process die now."""
+        process die now (once ``later``, the values in it still being copied from a device, are complete)."""
         if self._writer is not None:
-            self._writer.end_known(record, data, end_groups)
+            self._writer.end_known(record, data, end_groups, later)
 
     def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
         """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process

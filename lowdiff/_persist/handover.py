@@ -6,13 +6,18 @@ returns (issue 35): the training thread does not wait for them, which would cost
 (``sched.step()``), a later ``opt.step()``. At the end of its iteration (the next ``opt.step()``) it goes in any
 case (``send(block=True)``; the copies are long done by then), and before any other message, so the persistence
 process sees every message in step order. A trainer that dies before the record is handed over loses that one step,
-which recovery does not replay (docs/guide/durability.md)."""
+which recovery does not replay (docs/guide/durability.md).
+
+The end state of an iteration (``EndKnown``: from then on the persistence process commits the record should the
+trainer die) may hold values still being copied from the device (a learning rate a scheduler changed on the GPU, a
+GradScaler's scale): it waits here the same way, behind its record, until they are seen complete."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from lowdiff._storage.later import Later
 from lowdiff._storage.segment import StepRecord
 from lowdiff._transfer.host_copies import Slot, Staged
 from lowdiff._transfer.packing import PackedStep, StepPacker, pack_host
@@ -22,15 +27,17 @@ EndKnown = Callable[[Staged[StepRecord], dict[str, Any], list[dict[str, Any]]], 
 
 
 class CopyingRecord:
-    """At most one record waiting for its copies: ``hand_over(record, keep_if_orphaned)`` sends it, ``end_known``
-    the end state of its iteration when that became known meanwhile."""
+    """At most one record waiting for its copies, and the end state of the latest record's iteration waiting for
+    its own (a GPU learning rate, a GradScaler's scale: lowdiff._transfer.scalars): ``hand_over(record,
+    keep_if_orphaned)`` sends the one, ``end_known(record, data, end_groups)`` the other, each once its copies
+    are seen complete, the record first."""
 
     def __init__(self, hand_over: HandOver, end_known: EndKnown) -> None:
         self._hand_over = hand_over
         self._end_known = end_known
         self._record: Staged[StepRecord] | None = None
         self._keep = False
-        self._end: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+        self._end: tuple[Staged[StepRecord], dict[str, Any], list[dict[str, Any]], list[Later]] | None = None
 
     def holds(self, record: Staged[StepRecord]) -> bool:
         return self._record is record
@@ -41,37 +48,49 @@ class CopyingRecord:
         self._record, self._keep, self._end = record, keep_if_orphaned, None
         self.send(block=False)
 
-    def end_known(self, data: dict[str, Any], end_groups: list[dict[str, Any]]) -> None:
-        """The held record's end state is known: it goes with the record."""
-        self._end = (data, end_groups)
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
+                  later: Sequence[Later] = ()) -> None:
+        """The end state of ``record``'s iteration is known: it goes after the record, once ``later`` (the values
+        in it still being copied from a device) are complete."""
+        self._end = (record, data, end_groups, list(later))
         self.send(block=False)
 
     def send(self, *, block: bool) -> None:
-        """Hand the record over if its copies have completed (with ``block``: once they have)."""
+        """Hand the record over, then its end state, if their copies have completed (with ``block``: once they
+        have)."""
         record = self._record
-        if record is None:
-            return
-        if record.ready is not None:
-            if record.ready.query():
-                record.ready = None  # complete: handed over without a synchronize()
-            elif not block:
-                return
-        end, self._record, self._end = self._end, None, None
-        try:
-            self._hand_over(record, self._keep)
-        except BaseException:  # a KeyboardInterrupt inside the send: the record stays held, handed over later
-            self._record, self._end = record, end
-            raise
-        if end is not None:
-            self._end_known(record, *end)
+        if record is not None:
+            if record.ready is not None:
+                if record.ready.query():
+                    record.ready = None  # complete: handed over without a synchronize()
+                elif not block:
+                    return
+            self._record = None
+            try:
+                self._hand_over(record, self._keep)
+            except BaseException:  # a KeyboardInterrupt inside the send: the record stays held, handed over later
+                self._record = record
+                raise
+        end = self._end
+        if end is not None and (block or all(x.ready() for x in end[3])):
+            self._end = None
+            try:
+                self._end_known(*end[:3])  # with block, pickling its values waits for their copies
+            except BaseException:
+                self._end = end
+                raise
 
     def discard(self, step: int | None = None) -> bool:
         """Give the held record's slot back without handing it over (``step``: only if it is that step's); whether
-        one was held. Its copies end first: the slot may be reused or unmapped next."""
+        one was held. Its copies end first: the slot may be reused or unmapped next. An end state waiting for its
+        copies is forgotten with it (or, without ``step``, in any case)."""
+        end = self._end
+        if end is not None and (step is None or end[0].item.step == step):
+            self._end = None
         record = self._record
         if record is None or (step is not None and record.item.step != step):
             return False
-        self._record, self._end = None, None
+        self._record = None
         try:
             record.wait()
         except Exception:

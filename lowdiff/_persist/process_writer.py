@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowdiff._persist import messages as m
 from lowdiff._persist.handover import CopyingRecord, pack_here
 from lowdiff._persist.process_channel import Channel
 from lowdiff._persist.writer import WriterStats
+from lowdiff._storage.later import Later
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord, scale_of
 from lowdiff._storage.snapshot import SnapshotState
@@ -71,7 +72,7 @@ class ProcessWriter:
         self._rng_sent: Any = None  # the RNG state the last record was handed over with
         self._repeat: tuple[Any, Any] = (None, None)  # its RNG bytes and groups: a record repeating them sends None
         self._early_step: int | None = None  # the step handed over early whose iteration has not ended
-        self._copying = CopyingRecord(self._hand_over, self.end_known)  # its copies still running on the GPU
+        self._copying = CopyingRecord(self._hand_over, self._send_end)  # its copies still running on the GPU
         self.start_wait_s = 0.0
         """Time step() waited for free ring space before the persistence process had started (not ``blocked_s``)."""
         self._chan = Channel(run_dir, m.Start(
@@ -181,10 +182,9 @@ class ProcessWriter:
         return Slot(self._snap.buf[:nbytes], (snap_id, state), release)
 
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
-        """Hand the step's record over as soon as ``opt.step()`` has applied it (its iteration has not ended) and
-        its copies into the ring are complete, without waiting for them (lowdiff._persist.handover).
-        ``keep_if_orphaned``: if the training process dies before the iteration ends, commit it anyway (nothing
-        tracked changes at the end of an iteration)."""
+        """Hand the step's record over once ``opt.step()`` has applied it and its copies into the ring are seen
+        complete, without waiting for them (lowdiff._persist.handover). ``keep_if_orphaned``: if the trainer dies
+        before the iteration ends, commit it anyway (nothing tracked changes at the end of an iteration)."""
         self._copying.put(record, keep_if_orphaned)
 
     def _before_wait(self) -> None:
@@ -227,14 +227,14 @@ class ProcessWriter:
         self._rng_sent = rec.rng
         self._chan.send(m.Rng(rec.step, m.rng_bytes(rec.rng)))
 
-    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
-                  ) -> None:
-        """The end state of the record handed over early is known: from now on this process commits it should the
-        trainer die before the iteration ends."""
-        if self._copying.holds(record):
-            self._copying.end_known(data, end_groups)
-            return
-        if record.item.step != self._early_step:
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
+                  later: Sequence[Later] = ()) -> None:
+        """The end state of the record handed over early is known: once it is sent (after the record, when
+        ``later`` are copied: lowdiff._persist.handover) this process commits the record should the trainer die."""
+        self._copying.end_known(record, data, end_groups, later)
+
+    def _send_end(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]) -> None:
+        if record.item.step != self._early_step:  # its iteration ended (sealed or dropped) meanwhile
             return
         self._kept_if_orphaned = True
         self._chan.send(m.EndKnown(record.item.step, data, end_groups))

@@ -11,13 +11,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff._persist.gc_pause import collector_paused
 from lowdiff._persist.mirror import Mirror
 from lowdiff._persist.writer import WriterEvents, WriterStats
+from lowdiff._storage.later import Later
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
@@ -123,8 +124,8 @@ class BackgroundWriter:
     def drop(self, step: int) -> None:
         """Nothing: an interrupted iteration's record never reached this writer."""
 
-    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
-                  ) -> None:
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
+                  later: Sequence[Later] = ()) -> None:
         """Nothing: the record reaches this writer when its iteration ends."""
 
     def submit_record(self, record: Staged[StepRecord]) -> None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lowdiff._storage.later import Later
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
 from lowdiff._transfer.host_copies import Staged
@@ -106,8 +107,8 @@ class Writer(Protocol):
 
     def retake_rng(self, record: Staged[StepRecord]) -> None: ...
 
-    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]
-                  ) -> None: ...
+    def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
+                  later: Sequence[Later] = ()) -> None: ...
 
     def submit_record(self, record: Staged[StepRecord]) -> None: ...
 

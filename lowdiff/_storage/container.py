@@ -26,6 +26,7 @@ import torch
 
 from lowdiff._storage import atomic, codecs, direct_io
 from lowdiff._storage.format import DTYPES, FORMAT_NAME, FORMAT_VERSION
+from lowdiff._storage.later import json_value
 from lowdiff._storage.safe_io import open_regular
 from lowdiff._storage.trailer import TRAILER, TRAILER_MAGIC, check_trailer, meta_crc
 from lowdiff._storage.trailer import crc32 as _crc32
@@ -162,7 +163,7 @@ def write_container(path: Path, kind: str, meta: dict[str, Any], entries: list[E
                                 "raw_nbytes": raw_nbytes, "crc32": _crc32(encoded)})
             chunks.append(encoded)
             offset += nbytes
-    index = json.dumps({"meta": meta, "entries": descriptors}, separators=(",", ":")).encode()
+    index = json.dumps({"meta": meta, "entries": descriptors}, separators=(",", ":"), default=json_value).encode()
     tmp = atomic.tmp_path(path)
     try:
         atomic.ensure_space(tmp.parent, offset + len(index))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -15,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lowdiff._storage.later import Later, Read
 from lowdiff._storage.safe_io import lstat_size
 from lowdiff.errors import CorruptFileError, UnsupportedError
 
@@ -217,60 +216,34 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
 # the same type (docs/reference/FORMAT.md section 2).
 
 TAGS = ("__tensor__", "__tuple__", "__counter__", "__items__")
+
 """The tagged forms; a dict using one of these as a key is stored as ``__items__`` (so it stays unambiguous)."""
 
 
-_ENCODED: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[str, Any]]] = {}
-"""One-element tensors encoded before, by ``id``, with a weak reference to each and its version counter then: a
-tensor hyperparameter (a learning rate on the GPU) is encoded twice a step, and reading its value makes the host wait
-for the device; unchanged since (same tensor, same version), the encoding is reused. Not a ``WeakKeyDictionary``:
-its lookup compares keys with ``==``, and ``bool()`` of a device tensor's comparison is itself such a wait."""
-
-
-def _forget(ref: weakref.ref[torch.Tensor], key: int) -> None:
-    entry = _ENCODED.get(key)
-    if entry is not None and entry[0] is ref:
-        del _ENCODED[key]
-
-
-def _encoded_tensor(value: torch.Tensor) -> dict[str, Any]:
-    try:
-        version = value._version
-    except (RuntimeError, TypeError):  # inference tensors have no version counter
-        version = -1
-    hit = _ENCODED.get(id(value)) if version >= 0 else None
-    if hit is not None and hit[0]() is value and hit[1] == version:
-        return hit[2]
-    out = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "value": value.detach().cpu().item(),
-           "device": value.device.type}
-    if version >= 0:
-        key = id(value)
-        _ENCODED[key] = (weakref.ref(value, functools.partial(_forget, key=key)), version, out)
-    return out
-
-
-def encode_value(value: Any) -> Any:
+def encode_value(value: Any, read: Read | None = None) -> Any:
     """``value`` as JSON, losslessly: numbers, strings, None, lists, tuples, dicts (any hashable scalar or tuple
-    keys), ``collections.Counter`` and one-element tensors. Anything else is a ``TypeError`` naming it."""
+    keys), ``collections.Counter`` and one-element tensors. Anything else is a ``TypeError`` naming it.
+    ``read``: how a tensor's value is taken (:data:`Read`; None: now); a :class:`Later` stays as it is."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
-    if isinstance(value, float):
+    if isinstance(value, (float, Later)):
         return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"only one-element tensors can be stored as scalars, got shape {tuple(value.shape)}")
-        enc = _encoded_tensor(value)
-        return {"__tensor__": {**enc, "shape": list(enc["shape"])}}
+        number = read(value) if read is not None else value.detach().cpu().item()
+        return {"__tensor__": {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "value": number,
+                               "device": value.device.type}}
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v) for v in value]}
+        return {"__tuple__": [encode_value(v, read) for v in value]}
     if isinstance(value, list):
-        return [encode_value(v) for v in value]
+        return [encode_value(v, read) for v in value]
     if isinstance(value, Counter):
-        return {"__counter__": [[_encode_key(k), encode_value(v)] for k, v in value.items()]}
+        return {"__counter__": [[_encode_key(k), encode_value(v, read)] for k, v in value.items()]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and k not in TAGS for k in value):
-            return {k: encode_value(v) for k, v in value.items()}
-        return {"__items__": [[_encode_key(k), encode_value(v)] for k, v in value.items()]}
+            return {k: encode_value(v, read) for k, v in value.items()}
+        return {"__items__": [[_encode_key(k), encode_value(v, read)] for k, v in value.items()]}
     raise TypeError(f"cannot store a value of type {type(value).__name__}")
 
 
@@ -292,6 +265,8 @@ def decode_value(value: Any, device: torch.device | str | None = None, _depth: i
     concern."""
     if _depth > _MAX_VALUE_DEPTH:
         raise CorruptFileError(f"value nested deeper than {_MAX_VALUE_DEPTH} levels")
+    if isinstance(value, Later):  # a value encoded in this process (a shadow replica's groups)
+        return value.get()
     if isinstance(value, list):
         return [decode_value(v, device, _depth + 1) for v in value]
     if isinstance(value, dict):
@@ -332,6 +307,8 @@ def _decode_tensor(spec: Any, device: torch.device | str | None) -> torch.Tensor
     if math.prod(shape) != 1:
         raise CorruptFileError(f"scalar tensor of shape {list(shape)[:8]}: a stored scalar has one element")
     v = spec.get("value")
+    if isinstance(v, Later):
+        v = v.get()
     if not isinstance(v, (bool, int, float)):
         raise CorruptFileError(f"scalar tensor value {str(v)[:40]!r} is not a number")
     dev = spec.get("device")
@@ -346,13 +323,13 @@ def _decode_tensor(spec: Any, device: torch.device | str | None) -> torch.Tensor
         raise CorruptFileError(f"scalar tensor {str(spec)[:80]}: {e}") from e
 
 
-def encode_group(group: Mapping[str, Any]) -> dict[str, Any]:
+def encode_group(group: Mapping[str, Any], read: Read | None = None) -> dict[str, Any]:
     """An optimizer group's hyperparameters as JSON values (``params`` left out)."""
     try:
-        return {k: encode_value(v) for k, v in group.items() if k != "params"}
+        return {k: encode_value(v, read) for k, v in group.items() if k != "params"}
     except TypeError as e:
         raise UnsupportedError(f"an optimizer group hyperparameter cannot be logged: {e}") from e
 
 
-def encode_groups(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [encode_group(g) for g in groups]
+def encode_groups(groups: Iterable[Mapping[str, Any]], read: Read | None = None) -> list[dict[str, Any]]:
+    return [encode_group(g, read) for g in groups]

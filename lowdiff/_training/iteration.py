@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from lowdiff._storage.format import decode_value, encode_groups, encode_value
+from lowdiff._storage.later import Read
 from lowdiff._storage.segment import StepRecord
 from lowdiff._storage.snapshot import SnapshotState
 from lowdiff._transfer.host_copies import Staged
+from lowdiff._transfer.scalars import ScalarReader
 from lowdiff.errors import LowDiffError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,36 @@ def default_at(obj: Any) -> str:
     return AT_STEP if callable(getattr(type(obj), "__iter__", None)) else AT_END
 
 
-def encode_state(obj: Any, name: str) -> Any:
-    """``obj.state_dict()`` as logged (tagged JSON), or ``UnsupportedError`` saying what to do."""
+SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def scaler_state(obj: Any, read: Any) -> dict[str, Any] | None:
+    """A GradScaler's ``state_dict()`` with its scale and growth tracker taken by ``read``: its own reads them with
+    ``.item()``, which on a GPU makes the host wait for the device at the end of every iteration. None where that
+    is not torch's own state_dict (a subclass's), or the scaler is disabled or has not scaled yet (its own
+    state_dict() reads no tensor then). ``read``: a lowdiff._transfer.scalars.ScalarReader (or a plain
+    :data:`Read`)."""
+    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if cls is None or type(obj).state_dict is not cls.state_dict or not getattr(obj, "_enabled", False):
+        return None
+    scale, tracker = getattr(obj, "_scale", None), getattr(obj, "_growth_tracker", None)
+    if not isinstance(scale, torch.Tensor) or not isinstance(tracker, torch.Tensor):
+        return None
     try:
-        return encode_value(obj.state_dict())
+        return {"scale": read(scale), "growth_factor": obj._growth_factor, "backoff_factor": obj._backoff_factor,
+                "growth_interval": obj._growth_interval,
+                "_growth_tracker": read(tracker, scale) if isinstance(read, ScalarReader) else read(tracker)}
+    except AttributeError:  # another torch's GradScaler: its own state_dict()
+        return None
+
+
+def encode_state(obj: Any, name: str, read: Read | None = None) -> Any:
+    """``obj.state_dict()`` as logged (tagged JSON), or ``UnsupportedError`` saying what to do. ``read``: how a
+    tensor's value is taken (lowdiff._storage.format.encode_value); with it a GradScaler's state is read without
+    its ``state_dict()`` (:func:`scaler_state`)."""
+    try:
+        state = scaler_state(obj, read) if read is not None and is_grad_scaler(obj) else None
+        return encode_value(obj.state_dict() if state is None else state, read)
     except TypeError as e:
         raise UnsupportedError(
             f"the state of tracked {name!r} ({type(obj).__name__}.state_dict()) cannot be logged: {e}. lowdiff logs "
@@ -80,6 +108,9 @@ class Tracker:
         self.end_seen: set[str] = set()
         """Names of objects tracked at the end whose end-of-iteration call lowdiff sees (a GradScaler's update(), an
         LR scheduler's step()): once each has been called, the iteration's end state is known."""
+        self._own_state: set[str] = set()
+        """GradScalers whose state_dict() has other keys than :data:`SCALER_KEYS`: read by it, not by
+        :func:`scaler_state`."""
 
     def __len__(self) -> int:
         return len(self.objects)
@@ -94,20 +125,22 @@ class Tracker:
             raise ValueError(f"opt.track(at={at!r}): expected one of {', '.join(_AT)}")
         if name in self.objects:
             raise LowDiffError(f"opt.track({name!r}): a name is tracked once")
-        encode_state(obj, name)  # refused now rather than at the first step
+        own = encode_state(obj, name)  # refused now rather than at the first step
+        if is_grad_scaler(obj) and own and set(own) != set(SCALER_KEYS):
+            self._own_state.add(name)  # another torch's scaler state: read by its state_dict() (a device sync)
         kind = default_at(obj) if at == "auto" else at
         self.objects[name] = (obj, kind)
         return kind
 
-    def state(self, at: str) -> tuple[dict[str, Any], list[str]]:
+    def state(self, at: str, read: Read | None = None) -> tuple[dict[str, Any], list[str]]:
         """The encoded state of the objects taken ``at`` that moment, and an error per object that could not be
-        encoded (its state is left out)."""
+        encoded (its state is left out). ``read``: as :func:`encode_state`'s."""
         out, errors = {}, []
         for name, (obj, kind) in self.objects.items():
             if kind != at:
                 continue
             try:
-                out[name] = encode_state(obj, name)
+                out[name] = encode_state(obj, name, None if name in self._own_state else read)
             except UnsupportedError as e:
                 errors.append(str(e))
         return out, errors
@@ -141,9 +174,11 @@ class GroupEncoder:
     them twice (as its step began, and as its iteration ended), and most steps change none, or one (a scheduler's
     ``lr``). A group is taken as unchanged when every value is the very object encoded last time and each of those
     is immutable (numbers, strings, None and tuples of them); a tensor, list or dict (which may change in place)
-    is encoded every time. The list returned is then the same object: records share it, and nothing mutates it."""
+    is encoded every time. The list returned is then the same object: records share it, and nothing mutates it.
+    ``read``: how a tensor's value is taken (lowdiff._storage.format.encode_value)."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Read | None = None) -> None:
+        self._read = read
         self._seen: list[tuple[tuple[str, ...], tuple[Any, ...]]] | None = None
         self._encoded: list[dict[str, Any]] = []
 
@@ -155,7 +190,7 @@ class GroupEncoder:
                     break
             else:
                 return self._encoded
-        encoded = encode_groups(groups)  # raises for a value that cannot be logged: nothing is remembered
+        encoded = encode_groups(groups, self._read)  # raises for a value that cannot be logged: nothing is remembered
         self._encoded = encoded
         self._seen = [(tuple(g), tuple(g.values())) for g in groups] \
             if all(_immutable(v) for g in groups for k, v in g.items() if k != "params") else None
@@ -188,12 +223,15 @@ class IterationEnd:
         self.checkpointer = checkpointer
         self.pending: Pending | None = None
         self._called: set[int] = set()
-        self.groups = GroupEncoder()
+        self.read = ScalarReader()
+        """Tensors' values (a GPU learning rate, a GradScaler's scale) copied without waiting, read by the writer."""
+        self._end_read = False  # the held iteration's end state was read at its end calls (copies to reuse)
+        self.groups = GroupEncoder(self.read)
         """The optimizer's groups encoded (shared with ``opt.step()``, which encodes them as a step begins)."""
 
     def hold(self, pending: Pending) -> None:
         assert self.pending is None, "the previous iteration was not sealed"
-        self.pending = pending
+        self.pending, self._end_read = pending, False
         self._called = set()
         self.checkpointer.on_hold(pending.record, keep_if_orphaned=self.end_free())
 
@@ -209,14 +247,16 @@ class IterationEnd:
         at_end = [(n, o) for n, (o, kind) in self.tracker.objects.items() if kind == AT_END]
         if not all(n in self.tracker.end_seen and id(o) in self._called for n, o in at_end):
             return
-        end, errors = self.tracker.state(AT_END)
-        if errors:
-            return  # raised when the iteration ends
+        self.read.fresh()
+        self._end_read = True
         try:
-            end_groups = self.groups.encode(self.optimizer.param_groups)
+            (end, errors), later = self.read.collect(self.tracker.state, AT_END, self.read)
+            if errors:
+                return  # raised when the iteration ends
+            end_groups, more = self.read.collect(self.groups.encode, self.optimizer.param_groups)
         except UnsupportedError:
             return
-        self.checkpointer.on_end_known(p.record, {**p.record.item.data, **end}, end_groups)
+        self.checkpointer.on_end_known(p.record, {**p.record.item.data, **end}, end_groups, later + more)
 
     def retake_rng(self, rng: dict[str, Any]) -> bool:
         """The held iteration continues from ``rng`` (taken now, after draws made since its ``opt.step()``): its
@@ -241,11 +281,13 @@ class IterationEnd:
         p = self.pending
         if p is None:
             return None
-        end, errors = self.tracker.state(AT_END)
+        if not self._end_read:
+            self.read.fresh()
+        end, errors = self.tracker.state(AT_END, self.read)
         # Raises for a hyperparameter that cannot be logged: the iteration stays held (its record and snapshot
         # with it, nothing leaks), and the next opt.step() seals it again.
         end_groups = self.groups.encode(self.optimizer.param_groups)
-        self.pending = None
+        self.pending, self._end_read = None, False
         rec = p.record.item
         rec.data = {**rec.data, **end}
         rec.end_groups = end_groups

@@ -328,7 +328,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
                                "or use a new run_dir")
 
     def _step_state(self) -> dict[str, Any]:
-        data, errors = self._run.tracker.state(AT_STEP)
+        data, errors = self._run.tracker.state(AT_STEP, self._run.iteration.read if self._run.iteration else None)
         if errors:
             raise UnsupportedError(errors[0])
         return data

@@ -36,6 +36,7 @@ from lowdiff._training.fsdp import local as local_tensor
 from lowdiff._training.model_spec import ModelSpec
 from lowdiff._transfer.host_copies import CopyInFlight, HostCopier, HostPool, Slot, Staged
 from lowdiff._transfer.packing import PackedStep, StepPacker
+from lowdiff._transfer.scalars import read_later
 
 
 @dataclass
@@ -232,7 +233,7 @@ class Stager:
         owned = self.owned
         opt_state = {n: {k: local_tensor(v) for k, v in st.items()} for n, st in to_named(sd["state"], order).items()
                      if n in owned}
-        groups = [encode_group(g) | {"params": names}
+        groups = [encode_group(g, read_later) | {"params": names}  # a GPU lr: copied, not waited for
                   for names, g in zip(self.spec.stored_manifest.param_groups, self.optimizer.param_groups)]
         shared, mine = self._compressor_memory()
         state = SnapshotState(

@@ -201,7 +201,7 @@ class HostCopier:
         in ``buf`` already (a compressor wrote them there), nothing is copied."""
         ready = None if tensors is None else \
             self._pack(layout, tensors, buf, self.snapshot_stream if kind == "snapshot" else self.stream)
-        return _copy_events(kind) if _copy_events is not None else ready
+        return copy_event(kind, ready)
 
     def _fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit in the spare device memory: asked of the driver every SPARE_EVERY calls per size,
@@ -343,6 +343,12 @@ def set_copy_events(make_event: Callable[[str], Any] | None) -> Callable[[str], 
     global _copy_events
     previous, _copy_events = _copy_events, make_event
     return previous
+
+
+def copy_event(kind: str, ready: Any) -> Any:
+    """The event a copy of ``kind`` ("step", "snapshot", "scalar") completes at: ``ready``, its own, unless a test
+    says otherwise (:func:`set_copy_events`)."""
+    return _copy_events(kind) if _copy_events is not None else ready
 
 
 def set_copy_delay(seconds: float) -> float:

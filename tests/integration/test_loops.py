@@ -13,6 +13,7 @@ The file is also the child of the interrupted-by-an-exception case: ``python tes
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,13 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
          attach: str = "inner", scaler: bool = False, skips: tuple[int, ...] = (), every_steps: int = 5,
          batch_steps: int = 2, flush_at: int | None = None, kill_at: int | None = None, raise_at: int | None = None,
          at: str = "latest", evaluate_every: int | None = None, persistence: str = "thread",
-         compiled: bool = False) -> dict[str, Any]:
+         compiled: bool = False, tensor_lr: bool = False) -> dict[str, Any]:
     """The README's loop (a fresh process's objects). ``kill_at``: SIGKILL this process in the middle of that
     iteration, after ``opt.step()`` and before ``sched.step()``; ``raise_at``: raise there instead;
     ``evaluate_every``: an evaluation that draws from the RNG at the end of every such iteration, followed by
     ``opt.capture_rng()``; ``compiled``: the loop trains ``torch.compile(model)`` (the eager backend: the same
-    kernels, no compiler needed) and hands lowdiff that."""
+    kernels, no compiler needed) and hands lowdiff that; ``tensor_lr``: the learning rate is a tensor, which the
+    scheduler changes in place (``fill_``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -90,7 +93,8 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
         if sched == "cyclic":
             inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         else:
-            inner = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+            lr: Any = torch.tensor(0.02) if tensor_lr else 0.02
+            inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         opt = lowdiff.wrap(inner, net, {
             "run_dir": str(run_dir), "enabled": enabled, "compressor": {"name": compressor, "ratio": 0.3, "rank": 2},
             "snapshot": {"every_steps": every_steps}, "log": {"batch_steps": batch_steps, "persistence": persistence}})
@@ -142,7 +146,8 @@ def loop(run_dir: Path, *, sched: str = "cosine", compressor: str = "none", enab
 
 
 def crash(run_dir: Path, **kwargs: Any) -> None:
-    """``loop`` in a forked child killed with SIGKILL (no close, nothing flushed after ``flush_at``)."""
+    """``loop`` in a forked child killed with SIGKILL (no close, nothing flushed after ``flush_at``); returns once
+    its persistence process, if any, has committed what it held and exited (it holds RUN_DIR/persist-*.lock)."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -151,6 +156,16 @@ def crash(run_dir: Path, **kwargs: Any) -> None:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child ended with status {status}"
+    deadline = time.monotonic() + 60
+    for path in run_dir.glob("persist-*.lock"):
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"{path} still held after 60 s"
+                    time.sleep(0.05)
 
 
 def assert_same_end(ref: dict[str, Any], got: dict[str, Any]) -> None:
@@ -228,6 +243,23 @@ def test_grad_scaler_skips_are_iterations(tmp_path: Path, kill_at: int, flush_at
     got = loop(tmp_path / "run", **kw)
     assert got["start"] == flush_at
     assert_same_end(ref, got)
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_tensor_learning_rate_and_a_grad_scaler_come_back_exactly(tmp_path: Path, persistence: str) -> None:
+    """Both are logged as copies read later (lowdiff._transfer.scalars): what the log holds is their value at the
+    end of each iteration, and a trainer killed before its scheduler's step loses only the iteration it was in."""
+    kw: dict[str, Any] = {"sched": "lambda", "scaler": True, "skips": (3, 9), "tensor_lr": True,
+                          "persistence": persistence, "batch_steps": 1}
+    ref = loop(tmp_path / "ref", enabled=False, **kw)
+    crash(tmp_path / "run", kill_at=8, **kw)
+    rec = lowdiff.recover(tmp_path / "run")
+    if persistence == "process":
+        assert rec.step == 7  # its end was known when the process died: committed
+    got = loop(tmp_path / "run", **kw)
+    assert got["start"] == rec.step
+    assert_same_end(ref, got)
+    assert isinstance(got["optimizer"]["param_groups"][0]["lr"], torch.Tensor)
 
 
 @pytest.mark.parametrize("compressor", ["topk", "powersgd"])

@@ -128,6 +128,59 @@ def test_a_tensor_learning_rate_is_not_read_back_every_step(tmp_path: Path, pers
     assert not watch.found, dict(watch.found)
 
 
+def wrapped_scaled(tmp_path: Path, persistence: str) -> tuple[Any, torch.nn.Module, Any, Any]:
+    """A learning rate in a tensor on the model's device that a scheduler changes every step (``fill_``), and a
+    tracked GradScaler around backward and step: both logged at the end of every iteration."""
+    model = make(8)
+    inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=DEVICE))
+    opt = lowdiff.wrap(inner, model, {
+        "run_dir": str(tmp_path / f"run-scaled-{persistence}"),
+        "compressor": {"name": "topk", "ratio": 0.05},
+        "snapshot": {"every_steps": 1000},
+        "log": {"batch_steps": 4, "persistence": persistence}})
+    sched = opt.track(torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.99 ** s), "sched")
+    scaler = opt.track(torch.amp.GradScaler(DEVICE, init_scale=2.0**8, growth_interval=3), "scaler")
+    opt.resume()
+    return opt, model, sched, scaler
+
+
+def one_scaled_step(opt: Any, model: torch.nn.Module, sched: Any, scaler: Any, it: int,
+                    watch: SyncWatch | None = None) -> None:
+    """An AMP loop's iteration; with ``watch``, from the scaler's step to the scheduler's (lowdiff's work at the
+    end of an iteration runs in ``scaler.update()`` and ``sched.step()``). On a GPU the end-of-iteration calls
+    also run with ``torch.cuda.set_sync_debug_mode("error")``; ``scaler.step()`` does not (it reads ``found_inf``
+    with ``.item()`` itself: torch's own wait, which the watch leaves out)."""
+    g = torch.Generator().manual_seed(it)
+    x = torch.randn(16, model[0].in_features, generator=g).to(DEVICE)
+    scaler.scale(model(x).square().mean()).backward()
+    with ExitStack() as stack:
+        if watch is not None:
+            stack.enter_context(watch)
+        scaler.step(opt)
+        opt.zero_grad()
+        if watch is not None and DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            stack.callback(torch.cuda.set_sync_debug_mode, 0)
+        scaler.update()
+        sched.step()
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_a_device_learning_rate_changed_every_step_and_a_grad_scaler_are_not_read_back(
+        tmp_path: Path, persistence: str) -> None:
+    """Their values are copied to host memory without waiting and read by the writer (lowdiff._transfer.scalars):
+    ``.item()`` here (a ``state_dict()`` of the scaler, the encoding of the ``lr``) would make the host wait for the
+    device at the end of every iteration."""
+    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence)
+    watch = SyncWatch(DEVICE)
+    with opt:
+        for it in range(1, WARMUP + 1):
+            one_scaled_step(opt, model, sched, scaler, it)
+        for it in range(WARMUP + 1, WARMUP + STEPS + 1):
+            one_scaled_step(opt, model, sched, scaler, it, watch)
+    assert not watch.found, dict(watch.found)
+
+
 class InFlight:
     """A copy that completes only once the next step has begun (a GPU far behind the host): ``synchronize()`` on
     the training thread is counted as a wait."""
@@ -186,6 +239,33 @@ def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, pe
     got = rec.model if isinstance(rec.model, dict) else rec.model.state_dict()
     for k, v in live.items():
         assert torch.equal(v, got[k].detach().cpu()), k
+
+
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persistence: str) -> None:
+    """The copies of a scheduler's device ``lr`` and of a GradScaler's scale complete only once the next step has
+    begun: the end of an iteration goes to the persistence process then (not waited for at ``sched.step()``), and
+    the log holds the values they had."""
+    InFlight.clock, InFlight.waits, InFlight.thread = 0, Counter(), threading.get_ident()
+    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence)
+    with opt, lowdiff.testing.copies_in_flight(InFlight):
+        for it in range(1, WARMUP + STEPS + 1):
+            if it == WARMUP + 1:
+                InFlight.waits.clear()
+            InFlight.clock = it
+            one_scaled_step(opt, model, sched, scaler, it)
+        waits = dict(InFlight.waits)
+    assert waits == {}, waits
+    if DEVICE != "cpu":
+        return
+    opt2, model2, sched2, scaler2 = wrapped_scaled(tmp_path, persistence)  # resumes
+    with opt2:
+        assert opt2.iteration == WARMUP + STEPS
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, model2.state_dict()[k]), k
+        assert torch.equal(opt.inner.param_groups[0]["lr"], opt2.inner.param_groups[0]["lr"])
+        assert scaler2.state_dict() == scaler.state_dict()
+        assert sched2.last_epoch == sched.last_epoch
 
 
 SUBTREES_ASIDE = ("_payloads", "recv")
