@@ -54,9 +54,9 @@ class ScalarCopy(Later):
         event: Any = None
         if src.device.type == "cuda":
             host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # the caching host allocator's
-            host.copy_(src, non_blocking=True)
+            host.copy_(src, non_blocking=True)  # on the current stream of the source's device
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(src.device))
         else:
             host = src.clone()
         self._host: torch.Tensor | None = host
