@@ -25,6 +25,7 @@ from lowdiff._recovery.replayer import (
 from lowdiff._recovery.stop_memory import stop_at
 from lowdiff._storage import layout
 from lowdiff._storage.format import MANIFEST, decode_value
+from lowdiff._storage.lock import wait_for_orphans
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
@@ -40,6 +41,9 @@ from lowdiff.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+ORPHAN_WAIT_S = 120.0
+"""How long recovery waits for a dead trainer's persistence process to commit what it holds."""
 
 
 @dataclass
@@ -109,7 +113,8 @@ class Recovered:
 def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: int | None = None, *,
             device: str = "cpu", optimizer_class: type | None = None, progress: Any = None,
             rank: int | None = None, options: ReplayOptions = DEFAULT_OPTIONS,
-            shard: tuple[int, int] | None = None, storage_options: dict[str, Any] | None = None) -> Recovered:
+            shard: tuple[int, int] | None = None, storage_options: dict[str, Any] | None = None,
+            wait_for_writer: bool = True) -> Recovered:
     """Rebuild model and optimizer state at ``step`` (None: the latest durable step). Never writes.
 
     ``rank``: also return that rank's own compressor memory (``rank_compressor_state``) when ``step`` is a snapshot
@@ -122,7 +127,9 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     (``report.mode`` says why). ``options``: replay's block sizes and test seam (:class:`ReplayOptions`; the
     defaults are what users want, and no option changes a recovered bit). ``shard=(rank, ranks)``: a fully_shard
     run whose chain was written by ``ranks`` ranks replays and returns only ``rank``'s shards (``Recovered.shard``
-    says whether it did); ``opt.resume()`` on the same number of ranks asks for its own.
+    says whether it did); ``opt.resume()`` on the same number of ranks asks for its own. ``wait_for_writer``: if
+    the persistence process of a trainer that died is still committing what it was handed, wait for it (up to
+    ``ORPHAN_WAIT_S``, saying so), so the latest step it commits is recovered; a live trainer's is never waited for.
 
     >>> rec = lowdiff.recover("runs/exp1")          # doctest: +SKIP
     >>> model.load_state_dict(rec.model); optimizer.load_state_dict(rec.optimizer)  # doctest: +SKIP
@@ -134,9 +141,13 @@ def recover(run_dir: str | os.PathLike[str], step: int | None = None, workers: i
     if is_url(run_dir):
         return _recover_remote(str(run_dir), storage_options, step, progress, lambda local: recover(
             local, step, workers, device=device, optimizer_class=optimizer_class, progress=progress, rank=rank,
-            options=options, shard=shard))
+            options=options, shard=shard, wait_for_writer=False))
     t_start = time.perf_counter()
     root = Path(run_dir)
+    if wait_for_writer and not wait_for_orphans(root, ORPHAN_WAIT_S, lambda: log.warning(
+            "lowdiff: the persistence process of a trainer that died is still committing %s; waiting for it", root)):
+        log.warning("lowdiff: %s: a dead trainer's persistence process may still be committing; recovering from "
+                    "what is on disk now (the latest steps may be missing: run again once it has exited)", root)
     manifest = read_manifest(root)
     check_optimizer(root, manifest, optimizer_class)
     skipped: list[str] = []

@@ -182,3 +182,20 @@ def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], 
                 time.sleep(0.02)
         finally:
             os.close(fd)
+
+
+def wait_for_orphans(run_dir: Path, timeout_s: float, on_wait: Callable[[], None]) -> bool:
+    """For a reader of RUN_DIR (recovery): return once no persistence process of a dead trainer is still committing
+    what it was handed, so the reader sees every step it will commit; a live trainer's is not waited for (a live
+    run is read as it stands). False when one was still committing after ``timeout_s`` or the locks could not be
+    looked at (a read-only copy): the run is then read as it is now."""
+    with _held_guard:
+        if os.path.realpath(run_dir / LOCK_FILE) in _held:
+            return True  # this process is the trainer (opt.resume()): its persistence processes are live
+    if not any(run_dir.glob(PERSIST_LOCK_GLOB)) or live_trainer(run_dir) is not None:
+        return True
+    try:
+        wait_for_persistence(run_dir, timeout_s, on_wait, refuse_live_trainer=False)
+    except (RunLockedError, CheckpointWriteError, OSError):
+        return False
+    return True

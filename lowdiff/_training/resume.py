@@ -36,11 +36,12 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
     if at not in RESUME_AT:
         raise ValueError(f"resume(at={at!r}): expected one of {', '.join(RESUME_AT)}")
     if at == "latest":
-        return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class)
+        return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard,
+                       optimizer_class=optimizer_class, wait_for_writer=False)
     for step in sorted(list_snapshots(run_dir), reverse=True):
         try:
             rec = recover(run_dir, step=step, device=device, workers=workers, rank=rank, shard=shard,
-                          optimizer_class=optimizer_class)
+                          optimizer_class=optimizer_class, wait_for_writer=False)
         except StepNotAvailableError:
             continue
         except CorruptFileError as e:
@@ -55,7 +56,8 @@ def recover_for_resume(run_dir: Path, at: str, *, device: str, workers: int | No
         log.info("lowdiff: the snapshot at step %d holds no exact compressor memory (a compacted or damaged one); "
                  "trying an older one", step)
     log.warning("lowdiff: %s holds no snapshot with exact compressor memory; resuming at the latest step", run_dir)
-    return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class)
+    return recover(run_dir, device=device, workers=workers, rank=rank, shard=shard, optimizer_class=optimizer_class,
+                   wait_for_writer=False)
 
 
 def replay_class(optimizer: torch.optim.Optimizer) -> type | None:

@@ -172,6 +172,21 @@ def test_restarted_trainer_waits_for_the_dead_trainers_persistence_process(tmp_p
     t.opt.close()
 
 
+def test_recover_right_after_a_kill_waits_for_the_dead_trainers_persistence_process(
+        tmp_path: Path, reference, caplog: pytest.LogCaptureFixture) -> None:
+    """``lowdiff-recover`` run at once after a crash, while the killed trainer's persistence process is still
+    committing, slowly: recovery waits for it and says so, so it returns the last step that process commits (it read
+    an earlier one before: a test found step 4 of 7 on disk)."""
+    run_dir = tmp_path / "run"
+    with lowdiff.testing.intercept_persistence_process(commit_delay_s=0.5):  # inherited by the trainer's child
+        returned = _run_and_signal(run_dir, 17, signal.SIGKILL, wait=False)
+    with caplog.at_level(logging.WARNING, logger="lowdiff"):
+        rec = lowdiff.recover(run_dir, workers=1)
+    assert returned <= rec.step <= returned + 1, f"killed after step {returned} returned; recovered {rec.step}"
+    assert "still committing" in caplog.text
+    assert_state_equal(*reference.refs[rec.step], rec)
+
+
 @pytest.mark.parametrize("persistence", ["process", "thread"])
 def test_exception_in_the_loop_commits_the_returned_steps(tmp_path: Path, reference, persistence: str) -> None:
     """Nothing tracked at the end of an iteration: the iteration in progress is complete when opt.step() returns, so
