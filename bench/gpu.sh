@@ -13,7 +13,7 @@
 #   2. guards    (90 s)  tests/integration/test_step_guards.py on the GPU (LOWDIFF_GUARD_DEVICE=cuda): no device
 #                        synchronization (a TorchDispatchMode, and torch.cuda.set_sync_debug_mode("error") around
 #                        lowdiff's own calls in opt.step(), the inner optimizer's step left out), no waits for copies,
-#                        constant Python work per step (18 tests, 43 s on an H200)
+#                        constant Python work per step (18 tests took 43-54 s on an H200; 22 since 2026-11-30)
 #   3. overhead (240 s)  bench/overhead.py --device cuda --model-size 50m: GPT 49.6M, Top-k and PowerSGD with
 #                        log.persistence thread and process, none with the thread (198 MB logged a step), each
 #                        against the same compressor with enabled: false, in interleaved windows; writes
