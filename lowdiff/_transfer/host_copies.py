@@ -345,6 +345,11 @@ def set_copy_events(make_event: Callable[[str], Any] | None) -> Callable[[str], 
     return previous
 
 
+def copies_pretend() -> bool:
+    """Whether a test says when copies complete (:func:`set_copy_events`)."""
+    return _copy_events is not None
+
+
 def copy_event(kind: str, ready: Any) -> Any:
     """The event a copy of ``kind`` ("step", "snapshot", "scalar") completes at: ``ready``, its own, unless a test
     says otherwise (:func:`set_copy_events`)."""

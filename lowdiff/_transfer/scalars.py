@@ -9,8 +9,9 @@ the buffer comes from torch's caching host allocator, so steps after the first a
 writer thread when it writes the record, the persistence process's hand-over when the message goes
 (lowdiff._persist.handover sends the end state of an iteration only once its copies are seen complete).
 
-On the CPU the value is cloned at once (the tensor may be changed in place next) and read later the same way, so
-CPU tests see the GPU's order of events (``lowdiff.testing.copies_in_flight``, kind "scalar")."""
+On the CPU the value is read at once, from the tensor's memory (no operator: the step guards look for ``.item()``),
+except while a test says when copies complete (``lowdiff.testing.copies_in_flight``, kind "scalar"): then it is
+cloned and read later, as on a GPU, so CPU tests see the GPU's order of events."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from lowdiff._storage.later import Later
-from lowdiff._transfer.host_copies import copy_event
+from lowdiff._transfer.host_copies import copies_pretend, copy_event
 
 LAZY_DEVICES = ("cpu", "cuda")
 """Where a value is copied and read later; anything else is read at once (``.item()``)."""
@@ -37,7 +38,7 @@ def host_number(t: torch.Tensor) -> bool | int | float:
         return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
     try:
         arr = t.numpy()
-    except TypeError:  # a dtype numpy lacks (float8): not a hyperparameter in practice
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (float8), a negative or conjugate view
         return t.item()
     value: bool | int | float = arr.reshape(-1)[0].item()
     return value
@@ -79,7 +80,11 @@ class ScalarCopy(Later):
 
 def read_later(value: torch.Tensor) -> Later | bool | int | float:
     """A one-element tensor's value as :func:`lowdiff._storage.format.encode_value` takes it (its ``read``): a
-    :class:`ScalarCopy` on the CPU and on a GPU, the number itself elsewhere."""
+    :class:`ScalarCopy` on a GPU; on the CPU the number, read from its memory at once (nothing to wait for), or a
+    copy too while a test says when copies complete (``lowdiff.testing.copies_in_flight``); elsewhere the number
+    (``.item()``)."""
+    if value.device.type == "cpu" and not copies_pretend():
+        return host_number(value.detach())
     if value.device.type not in LAZY_DEVICES:
         number: bool | int | float = value.detach().cpu().item()
         return number

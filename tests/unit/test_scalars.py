@@ -55,6 +55,14 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Done:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
 READS = {"aten::item", "aten::_local_scalar_dense", "aten::eq", "aten::equal", "aten::is_nonzero"}
 
 
@@ -76,7 +84,7 @@ def test_encoded_with_a_reader_the_log_holds_what_item_gives() -> None:
     group = {"lr": torch.tensor(1e-3, dtype=torch.float32), "betas": (0.9, torch.tensor(0.999, dtype=torch.float64)),
              "step": torch.tensor(7), "weight_decay": 0.01, "foreach": None}
     eager = fmt.encode_value(group)
-    with _Ops() as seen:
+    with _Ops() as seen, lowdiff.testing.copies_in_flight(lambda kind: _Done()):
         lazy = fmt.encode_value(group, ScalarReader())
     assert not READS & set(seen.ops), seen.ops
     written = json.loads(json.dumps(lazy, default=json_value))
@@ -86,6 +94,15 @@ def test_encoded_with_a_reader_the_log_holds_what_item_gives() -> None:
     assert back["lr"].item() == group["lr"].item() and back["betas"][1].item() == group["betas"][1].item()
 
 
+def test_on_the_cpu_a_value_is_read_at_once_without_an_operator() -> None:
+    lr = torch.tensor(3e-4)
+    with _Ops() as seen:
+        got = ScalarReader()(lr)
+    assert not READS & set(seen.ops), seen.ops
+    assert _same(got, lr.item())
+
+
+@lowdiff.testing.copies_in_flight(lambda kind: _Done())  # CPU copies as on a GPU: Laters
 def test_a_reader_copies_a_changed_tensor_again_and_everything_after_fresh() -> None:
     read = ScalarReader()
     lr = torch.tensor(1e-3)
