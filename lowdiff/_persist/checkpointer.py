@@ -220,6 +220,12 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.end_known(record, data, end_groups, later)
 
+    def before_seal(self) -> None:
+        """The held record's iteration is about to be sealed (its end state taken, which may copy values from the
+        device): a persistence process takes the record first, as it was when ``opt.step()`` returned."""
+        if self._writer is not None:
+            self._writer.before_seal()
+
     def on_rng_retaken(self, record: Staged[StepRecord]) -> None:
         """The RNG state of the held ``record`` was taken again (``opt.capture_rng()``). A persistence process
         that holds the record, and would commit it as it is if the training process died now, gets the new state

@@ -213,7 +213,7 @@ _FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a messag
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}
 
 
-def send(conn: Connection, msg: Any) -> None:
+def send(conn: Connection, msg: Any, data: bytes | None = None) -> None:
     """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body.
 
     A signal handler that raises in the middle (KeyboardInterrupt, lowdiff's SIGTERM handler after its
@@ -221,7 +221,8 @@ def send(conn: Connection, msg: Any) -> None:
     a message taken off a queue and never sent (a kill test lost the step whose seal it was). While it writes,
     lowdiff's own handlers defer (lowdiff/_persist/signals.py); with a handler of the program's own installed,
     SIGTERM and SIGINT are held back instead, which costs two system calls a message."""
-    data = encode(msg)
+    if data is None:  # else msg as encode() gave it
+        data = encode(msg)
     if len(data) >= 1 << 31 or not signals.only_lowdiffs():
         whole(conn.send_bytes, data)
         return

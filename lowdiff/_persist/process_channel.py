@@ -117,14 +117,17 @@ class Channel:
             self.died()
             return
         if self._outbox is not None:
-            msg, self._outbox = m.Several([self._outbox, msg]), None
+            msg = m.Several([self._outbox, msg])
+        data = m.encode(msg)  # may raise (a Ctrl-C while a value's copy is awaited): the held message stays held
+        self._outbox = None
         try:
-            m.send(self.conn, msg)
+            m.send(self.conn, msg, data)
         except OSError:
             self.died()
 
     def hold(self, msg: Any) -> None:
         """Send ``msg`` with the next message (or before the next wait): one socket write per step instead of two."""
+        self.push()  # one held at a time: an earlier one goes first
         self._outbox = msg
 
     def push(self) -> None:

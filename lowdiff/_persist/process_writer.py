@@ -23,7 +23,7 @@ from lowdiff._persist import messages as m
 from lowdiff._persist.handover import CopyingRecord, pack_here
 from lowdiff._persist.process_channel import Channel
 from lowdiff._persist.writer import WriterStats
-from lowdiff._storage.later import Later
+from lowdiff._storage.later import Later, has_later
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord, scale_of
 from lowdiff._storage.snapshot import SnapshotState
@@ -155,9 +155,8 @@ class ProcessWriter:
         return Slot(self._ring.view(offset, nbytes), (ring_id, aid, offset, state), release)
 
     def alloc_snapshot(self, nbytes: int, pinned: bool) -> Slot | None:
-        """The snapshot arena, for the stager to pack a snapshot into (lowdiff._training.stager.Slots); None when the
-        persistence process is gone. Waits until the previous snapshot is written: one is in flight at a time
-        (CheckFreq), so the arena is free again then; that wait counts as back-pressure (``stats.blocked_s``)."""
+        """The snapshot arena for the stager (lowdiff._training.stager.Slots; None: the process is gone), once the
+        previous snapshot is written (one in flight, as CheckFreq): a wait counted as back-pressure (blocked_s)."""
         t0 = time.perf_counter()
         self._settle_snapshot(block=True)  # the previous one: this process frees the arena once it is written
         if not self._chan.wait(lambda: not self._snap_busy):
@@ -182,9 +181,8 @@ class ProcessWriter:
         return Slot(self._snap.buf[:nbytes], (snap_id, state), release)
 
     def submit_early(self, record: Staged[StepRecord], keep_if_orphaned: bool) -> None:
-        """Hand the step's record over once ``opt.step()`` has applied it and its copies into the ring are seen
-        complete, without waiting for them (lowdiff._persist.handover). ``keep_if_orphaned``: if the trainer dies
-        before the iteration ends, commit it anyway (nothing tracked changes at the end of an iteration)."""
+        """Hand the record over once its copies into the ring are seen complete (lowdiff._persist.handover);
+        ``keep_if_orphaned``: commit it even if the trainer dies before its iteration ends (nothing tracked at it)."""
         self._copying.put(record, keep_if_orphaned)
 
     def _before_wait(self) -> None:
@@ -215,17 +213,16 @@ class ProcessWriter:
         self._early_step = rec.step
 
     def retake_rng(self, record: Staged[StepRecord]) -> None:
-        """The RNG state of the record handed over early was taken again (``opt.capture_rng()``, after an
-        evaluation). If this process would commit that record as it is should the trainer die now, the new state
-        goes at once: a death before the iteration ends would otherwise commit the state from before the
-        evaluation's draws. Otherwise it goes with the seal."""
-        rec = record.item
-        if self._copying.holds(record):
-            return  # not handed over yet: it goes with the state taken now
-        if not self._kept_if_orphaned or rec.step != self._early_step:
+        """The RNG state of the record handed over early was taken again (``opt.capture_rng()``): at once if this
+        process would commit that record as it is should the trainer die now, else with the seal (or the end)."""
+        rec = record.item  # a record not handed over yet goes with the state taken now
+        if self._copying.holds(record) or not self._kept_if_orphaned or rec.step != self._early_step:
             return
         self._rng_sent = rec.rng
         self._chan.send(m.Rng(rec.step, m.rng_bytes(rec.rng)))
+
+    def before_seal(self) -> None:
+        self._copying.send(block=True)  # the record, before the seal's copies are made (they may still run)
 
     def end_known(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]],
                   later: Sequence[Later] = ()) -> None:
@@ -234,10 +231,14 @@ class ProcessWriter:
         self._copying.end_known(record, data, end_groups, later)
 
     def _send_end(self, record: Staged[StepRecord], data: dict[str, Any], end_groups: list[dict[str, Any]]) -> None:
-        if record.item.step != self._early_step:  # its iteration ended (sealed or dropped) meanwhile
+        rec = record.item
+        if rec.step != self._early_step:  # its iteration ended (sealed or dropped) meanwhile
             return
+        self._chan.send(m.EndKnown(rec.step, data, end_groups))
         self._kept_if_orphaned = True
-        self._chan.send(m.EndKnown(record.item.step, data, end_groups))
+        if rec.rng is not self._rng_sent:  # taken again (capture_rng) while this waited: retake_rng sent nothing
+            self._rng_sent = rec.rng
+            self._chan.send(m.Rng(rec.step, m.rng_bytes(rec.rng)))
 
     def submit_record(self, record: Staged[StepRecord]) -> None:
         """The iteration of a record handed over early has ended: its final tracked state and groups."""
@@ -248,9 +249,9 @@ class ProcessWriter:
         # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
         rng = None if rec.rng is self._rng_sent else m.rng_bytes(rec.rng)
         msg = m.Seal(rec.step, rec.data, m.AT_STEP if rec.end_groups is rec.groups else rec.end_groups, rng)
-        if self._kept_if_orphaned:
-            # The persistence process would commit this record as it is if the trainer died now: the seal rides
-            # with the next message (one socket write per step instead of two).
+        if self._kept_if_orphaned or has_later(msg, ready=False):
+            # Committed as it is should the trainer die now (or values in it are still being copied): it rides with
+            # the next message, whose copies come after them (one socket write per step instead of two).
             self._chan.hold(msg)
         else:
             self._chan.send(msg)
@@ -263,11 +264,9 @@ class ProcessWriter:
         self._chan.send(m.Drop(step))
 
     def submit_snapshot(self, state: Staged[SnapshotState]) -> None:
-        """Hand over a snapshot the stager packed into the snapshot arena (:meth:`alloc_snapshot`). On a GPU whose
-        copies into the arena are still running it goes once they complete, seen at a later step's hand-over (or
-        at the next snapshot, a flush, a close): training does not wait for a snapshot's copies, which may take
-        tens of milliseconds, as it does for a step's. Until then the snapshot is not in the persistence process:
-        a trainer that dies meanwhile loses it, not a step (recovery replays from the snapshot before it)."""
+        """Hand over a snapshot the stager packed into the snapshot arena (:meth:`alloc_snapshot`); on a GPU once its
+        copies (tens of ms, not waited for) are seen complete at a later hand-over, snapshot, flush or close. A
+        trainer that dies before then loses it, not a step (recovery replays from the snapshot before it)."""
         self._copying.send(block=True)  # a snapshot step: the record before the snapshot
         snap = state.item
         packed = snap.packed

@@ -121,6 +121,9 @@ class BackgroundWriter:
     def retake_rng(self, record: Staged[StepRecord]) -> None:
         """Nothing: the record reaches this writer with the RNG state its iteration ended with."""
 
+    def before_seal(self) -> None:
+        """Nothing: the record reaches this writer when it is sealed."""
+
     def drop(self, step: int) -> None:
         """Nothing: an interrupted iteration's record never reached this writer."""
 

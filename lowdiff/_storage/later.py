@@ -42,3 +42,15 @@ def json_value(obj: Any) -> Any:
     if isinstance(obj, Later):
         return obj.get()
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def has_later(obj: Any, *, ready: bool | None = None) -> bool:
+    """Whether ``obj`` (an encoded value: lists, tuples, dicts) holds a :class:`Later`; with ``ready=False``, one whose
+    value is not there yet."""
+    if isinstance(obj, Later):
+        return ready is None or obj.ready() == ready
+    if isinstance(obj, (list, tuple)):
+        return any(has_later(x, ready=ready) for x in obj)
+    if isinstance(obj, dict):
+        return any(has_later(x, ready=ready) for x in obj.values())
+    return False

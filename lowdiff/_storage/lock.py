@@ -187,8 +187,8 @@ def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], 
 def wait_for_orphans(run_dir: Path, timeout_s: float, on_wait: Callable[[], None]) -> bool:
     """For a reader of RUN_DIR (recovery): return once no persistence process of a dead trainer is still committing
     what it was handed, so the reader sees every step it will commit; a live trainer's is not waited for (a live
-    run is read as it stands). False when one was still committing after ``timeout_s`` or the locks could not be
-    looked at (a read-only copy): the run is then read as it is now."""
+    run is read as it stands). False when one was still committing after ``timeout_s`` (the run is then read as it
+    is now); True at once when the locks cannot be looked at (a copy this user may not write)."""
     with _held_guard:
         if os.path.realpath(run_dir / LOCK_FILE) in _held:
             return True  # this process is the trainer (opt.resume()): its persistence processes are live
@@ -196,6 +196,8 @@ def wait_for_orphans(run_dir: Path, timeout_s: float, on_wait: Callable[[], None
         return True
     try:
         wait_for_persistence(run_dir, timeout_s, on_wait, refuse_live_trainer=False)
-    except (RunLockedError, CheckpointWriteError, OSError):
+    except RunLockedError:
         return False
+    except (CheckpointWriteError, OSError):
+        pass  # not ours to lock (read-only): nothing to say
     return True

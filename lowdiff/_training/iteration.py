@@ -72,7 +72,9 @@ def scaler_state(obj: Any, read: Any) -> dict[str, Any] | None:
     state_dict() reads no tensor then). ``read``: a lowdiff._transfer.scalars.ScalarReader (or a plain
     :data:`Read`)."""
     cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
-    if cls is None or type(obj).state_dict is not cls.state_dict or not getattr(obj, "_enabled", False):
+    if cls is None or not getattr(obj, "_enabled", False) or any(
+            getattr(type(obj), f, None) is not getattr(cls, f, None)
+            for f in ("state_dict", "get_scale", "_get_scale_async", "_get_growth_tracker")):
         return None
     scale, tracker = getattr(obj, "_scale", None), getattr(obj, "_growth_tracker", None)
     if not isinstance(scale, torch.Tensor) or not isinstance(tracker, torch.Tensor):
@@ -281,6 +283,7 @@ class IterationEnd:
         p = self.pending
         if p is None:
             return None
+        self.checkpointer.before_seal()
         if not self._end_read:
             self.read.fresh()
         end, errors = self.tracker.state(AT_END, self.read)

@@ -98,8 +98,9 @@ class ScalarReader:
     next ``opt.step()``), and the next step's groups right after: copies made at the end calls are reused by the
     later two when the tensor is the same object at the same version (a GradScaler's growth tracker: at its
     scale's version, since ``torch._amp_update_scale_`` leaves the tracker's counter alone). Across iterations
-    nothing is reused (:meth:`fresh`): a write that the version counter misses (through ``.data``) is then seen
-    by the iteration's end at the latest. :meth:`collect` says which copies an encoding used."""
+    nothing is reused (:meth:`fresh`): a write that the version counter misses (through ``.data``) is seen at the
+    next iteration's end calls, unless made between an iteration's end calls and its seal. :meth:`collect` says
+    which copies an encoding used."""
 
     def __init__(self) -> None:
         self._made: dict[int, tuple[torch.Tensor, int, Later | bool | int | float]] = {}

@@ -16,9 +16,12 @@ Models are small enough that the compressors take their device branch (Top-k's s
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -128,9 +131,24 @@ def test_a_tensor_learning_rate_is_not_read_back_every_step(tmp_path: Path, pers
     assert not watch.found, dict(watch.found)
 
 
-def wrapped_scaled(tmp_path: Path, persistence: str) -> tuple[Any, torch.nn.Module, Any, Any]:
+class Count:
+    """Tracked at the end of an iteration, with no end call lowdiff sees: the end state is known only at the seal."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def wrapped_scaled(tmp_path: Path, persistence: str, count: Count | None = None
+                   ) -> tuple[Any, torch.nn.Module, Any, Any]:
     """A learning rate in a tensor on the model's device that a scheduler changes every step (``fill_``), and a
-    tracked GradScaler around backward and step: both logged at the end of every iteration."""
+    tracked GradScaler around backward and step: both logged at the end of every iteration (``count``: tracked
+    too)."""
     model = make(8)
     inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device=DEVICE))
     opt = lowdiff.wrap(inner, model, {
@@ -140,6 +158,8 @@ def wrapped_scaled(tmp_path: Path, persistence: str) -> tuple[Any, torch.nn.Modu
         "log": {"batch_steps": 4, "persistence": persistence}})
     sched = opt.track(torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.99 ** s), "sched")
     scaler = opt.track(torch.amp.GradScaler(DEVICE, init_scale=2.0**8, growth_interval=3), "scaler")
+    if count is not None:
+        opt.track(count, "count")
     opt.resume()
     return opt, model, sched, scaler
 
@@ -241,24 +261,31 @@ def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, pe
         assert torch.equal(v, got[k].detach().cpu()), k
 
 
+@pytest.mark.parametrize("counted", [False, True], ids=["end-calls-seen", "an-end-object-unseen"])
 @pytest.mark.parametrize("persistence", ["thread", "process"])
-def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persistence: str) -> None:
+def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persistence: str, counted: bool) -> None:
     """The copies of a scheduler's device ``lr`` and of a GradScaler's scale complete only once the next step has
     begun: the end of an iteration goes to the persistence process then (not waited for at ``sched.step()``), and
-    the log holds the values they had."""
+    the log holds the values they had. With an object tracked at the end whose end call lowdiff does not see, the
+    end state is known only when the next ``opt.step()`` seals the iteration: its copies, made then, are not waited
+    for either (the seal goes with the next message)."""
     InFlight.clock, InFlight.waits, InFlight.thread = 0, Counter(), threading.get_ident()
-    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence)
+    count = Count() if counted else None
+    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence, count)
     with opt, lowdiff.testing.copies_in_flight(InFlight):
         for it in range(1, WARMUP + STEPS + 1):
             if it == WARMUP + 1:
                 InFlight.waits.clear()
             InFlight.clock = it
             one_scaled_step(opt, model, sched, scaler, it)
+            if count is not None:
+                count.n += 1
         waits = dict(InFlight.waits)
     assert waits == {}, waits
     if DEVICE != "cpu":
         return
-    opt2, model2, sched2, scaler2 = wrapped_scaled(tmp_path, persistence)  # resumes
+    count2 = Count() if counted else None
+    opt2, model2, sched2, scaler2 = wrapped_scaled(tmp_path, persistence, count2)  # resumes
     with opt2:
         assert opt2.iteration == WARMUP + STEPS
         for k, v in model.state_dict().items():
@@ -266,6 +293,74 @@ def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persiste
         assert torch.equal(opt.inner.param_groups[0]["lr"], opt2.inner.param_groups[0]["lr"])
         assert scaler2.state_dict() == scaler.state_dict()
         assert sched2.last_epoch == sched.last_epoch
+        assert count2 is None or count is None or count2.n == count.n == WARMUP + STEPS
+
+
+class Clock:
+    """Half-iterations: a copy made at ``opt.step()`` completes at the scheduler's step, one made there only at the
+    next ``opt.step()``."""
+
+    t = 0
+
+    def __init__(self, kind: str) -> None:
+        self.born = Clock.t
+
+    def query(self) -> bool:
+        return Clock.t > self.born
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_rng_taken_again_while_the_end_state_waits_for_its_copies_is_what_a_crash_commits(tmp_path: Path) -> None:
+    """Process persistence, a tensor ``lr`` whose copy made at ``sched.step()`` is still running, then an evaluation's
+    draws and ``opt.capture_rng()``: the end state goes to the persistence process later, and the RNG state taken
+    again must go with it, or a trainer killed after the next ``opt.step()`` is recovered with the RNG state from
+    before the evaluation (found in review: the end state had gone without it)."""
+    if DEVICE != "cpu":
+        pytest.skip("a forked CPU trainer with pretended copies: not forked from a process that has used CUDA")
+    run_dir, kill_at = tmp_path / "run", 5
+    pid = os.fork()
+    if pid == 0:
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+            inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+            opt = lowdiff.wrap(inner, model, {"run_dir": str(run_dir), "snapshot": {"every_steps": 100},
+                                              "log": {"batch_steps": 1, "persistence": "process"}})
+            sched = opt.track(torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.9 ** s), "sched")
+            opt.resume()
+            with lowdiff.testing.copies_in_flight(Clock):
+                for it in range(1, 20):
+                    Clock.t = 2 * it
+                    model(torch.randn(2, 4)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if it == kill_at + 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    Clock.t = 2 * it + 1
+                    sched.step()
+                    torch.rand(3)  # an evaluation's draws
+                    opt.capture_rng()
+                    if it == kill_at:
+                        torch.save(torch.get_rng_state(), tmp_path / "expected.pt")
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status), status
+    deadline = time.monotonic() + 60
+    for lock in run_dir.glob("persist-*.lock"):
+        with open(lock, "rb") as f:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"{lock} still held"
+                    time.sleep(0.05)
+    rec = lowdiff.recover(run_dir, workers=1)
+    assert rec.step == kill_at
+    assert torch.equal(rec.rng["torch"], torch.load(tmp_path / "expected.pt"))
 
 
 SUBTREES_ASIDE = ("_payloads", "recv")
