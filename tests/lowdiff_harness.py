@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -328,3 +330,18 @@ def assert_state_equal(ref_model_sd: dict[str, torch.Tensor], ref_opt_sd: dict[s
     for i, st in ref_state.items():
         _same_value(st, got_state[i], f"optimizer.state[{i}]")
     _same_value(list(ref_opt_sd["param_groups"]), list(rec.optimizer["param_groups"]), "optimizer.param_groups")
+
+
+def wait_for_persistence_exit(run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Return once no persistence process holds RUN_DIR/persist-*.lock: a killed trainer's has committed what it
+    held and exited."""
+    deadline = time.monotonic() + timeout_s
+    for path in run_dir.glob("persist-*.lock"):
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"{path} still held after {timeout_s:.0f} s"
+                    time.sleep(0.05)

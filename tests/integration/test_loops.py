@@ -13,7 +13,6 @@ The file is also the child of the interrupted-by-an-exception case: ``python tes
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
@@ -21,13 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lowdiff_harness import wait_for_persistence_exit
 from torch import nn
 from torch.optim import lr_scheduler as L
 
@@ -156,16 +155,7 @@ def crash(run_dir: Path, **kwargs: Any) -> None:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child ended with status {status}"
-    deadline = time.monotonic() + 60
-    for path in run_dir.glob("persist-*.lock"):
-        with open(path, "rb") as f:
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    assert time.monotonic() < deadline, f"{path} still held after 60 s"
-                    time.sleep(0.05)
+    wait_for_persistence_exit(run_dir)
 
 
 def assert_same_end(ref: dict[str, Any], got: dict[str, Any]) -> None:

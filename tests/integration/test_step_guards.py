@@ -16,12 +16,10 @@ Models are small enough that the compressors take their device branch (Top-k's s
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -30,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from lowdiff_harness import wait_for_persistence_exit
 from sync_watch import LOWDIFF_DIR, SyncWatch
 
 import lowdiff
@@ -348,16 +347,7 @@ def test_rng_taken_again_while_the_end_state_waits_for_its_copies_is_what_a_cras
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status), status
-    deadline = time.monotonic() + 60
-    for lock in run_dir.glob("persist-*.lock"):
-        with open(lock, "rb") as f:
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    assert time.monotonic() < deadline, f"{lock} still held"
-                    time.sleep(0.05)
+    wait_for_persistence_exit(run_dir)
     rec = lowdiff.recover(run_dir, workers=1)
     assert rec.step == kill_at
     assert torch.equal(rec.rng["torch"], torch.load(tmp_path / "expected.pt"))
