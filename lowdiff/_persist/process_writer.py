@@ -23,7 +23,7 @@ from lowdiff._persist import messages as m
 from lowdiff._persist.handover import CopyingRecord, pack_here
 from lowdiff._persist.process_channel import Channel
 from lowdiff._persist.writer import WriterStats
-from lowdiff._storage.later import Later, has_later
+from lowdiff._storage.later import Later, pending
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.segment import StepRecord, scale_of
 from lowdiff._storage.snapshot import SnapshotState
@@ -249,7 +249,7 @@ class ProcessWriter:
         # The RNG state goes again only if it was taken again after opt.step() (capture_rng).
         rng = None if rec.rng is self._rng_sent else m.rng_bytes(rec.rng)
         msg = m.Seal(rec.step, rec.data, m.AT_STEP if rec.end_groups is rec.groups else rec.end_groups, rng)
-        if self._kept_if_orphaned or has_later(msg, ready=False):
+        if self._kept_if_orphaned or pending(msg):
             # Committed as it is should the trainer die now (or values in it are still being copied): it rides with
             # the next message, whose copies come after them (one socket write per step instead of two).
             self._chan.hold(msg)

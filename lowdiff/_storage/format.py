@@ -216,7 +216,6 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
 # the same type (docs/reference/FORMAT.md section 2).
 
 TAGS = ("__tensor__", "__tuple__", "__counter__", "__items__")
-
 """The tagged forms; a dict using one of these as a key is stored as ``__items__`` (so it stays unambiguous)."""
 
 

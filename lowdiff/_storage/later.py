@@ -44,13 +44,13 @@ def json_value(obj: Any) -> Any:
     raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
 
 
-def has_later(obj: Any, *, ready: bool | None = None) -> bool:
-    """Whether ``obj`` (an encoded value: lists, tuples, dicts) holds a :class:`Later`; with ``ready=False``, one whose
+def pending(obj: Any) -> bool:
+    """Whether ``obj`` (an encoded value, or a message of them: lists, tuples, dicts) holds a :class:`Later` whose
     value is not there yet."""
     if isinstance(obj, Later):
-        return ready is None or obj.ready() == ready
+        return not obj.ready()
     if isinstance(obj, (list, tuple)):
-        return any(has_later(x, ready=ready) for x in obj)
+        return any(pending(x) for x in obj)
     if isinstance(obj, dict):
-        return any(has_later(x, ready=ready) for x in obj.values())
+        return any(pending(x) for x in obj.values())
     return False

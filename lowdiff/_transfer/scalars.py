@@ -134,8 +134,3 @@ class ScalarReader:
             return fn(*args), self._used
         finally:
             self._used = outer
-
-
-def all_ready(laters: list[Later]) -> bool:
-    """Whether every value in ``laters`` can be read without waiting."""
-    return all(x.ready() for x in laters)
