@@ -300,8 +300,8 @@ def test_iteration_interrupted_by_an_exception_is_redone(tmp_path: Path) -> None
     out = tmp_path / "child.json"
     cmd = [sys.executable, str(HERE), str(out), str(tmp_path / "run"),
            json.dumps({"sched": "multistep", "batch_steps": 1, "raise_at": 7})]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
+    path = os.pathsep.join([str(HERE.parents[2]), str(HERE.parents[1])])  # lowdiff, and lowdiff_harness
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 1 and "interrupted in iteration 7" in proc.stderr, proc.stderr[-3000:]
     assert "iteration 7 was interrupted" in proc.stderr
     assert lowdiff.recover(tmp_path / "run").step == 6
