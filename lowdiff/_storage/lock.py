@@ -7,6 +7,8 @@ import fcntl
 import os
 import socket
 import stat
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -105,22 +107,26 @@ def take_persistence_lock(run_dir: Path, index: int) -> int:
         fd = _open_lock_file(path)
     except OSError as e:
         raise _error(path, e, "create") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
-            raise RunLockedError(f"{path} is held by a persistence process still running; wait for it to "
-                                 "exit") from None
-        raise _error(path, e, "lock") from e
-    return fd
+    # A reader testing the lock (wait_for_persistence: flock has no way to ask without taking it) holds it shared
+    # for microseconds: a lock still held after a tenth of a second is a persistence process's.
+    for _ in range(50):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN, errno.EWOULDBLOCK):
+                os.close(fd)
+                raise _error(path, e, "lock") from e
+        time.sleep(0.002)
+    os.close(fd)
+    raise RunLockedError(f"{path} is held by a persistence process still running; wait for it to exit")
 
 
 def live_trainer(run_dir: Path) -> str | None:
-    """The trainer holding RUN_DIR's writer lock in another process (its pid and host as it wrote them), or None:
-    tested by taking the lock and letting it go at once. None too when the holder is a dead trainer's persistence
-    process committing under it, or has not written who it is yet. A lock of this process's own is not looked at
-    (closing a second descriptor of the file would drop it: POSIX record locks belong to the process)."""
+    """The trainer holding RUN_DIR's writer lock in another process (its pid and host as it wrote them), or None.
+    None too when the holder is a dead trainer's persistence process committing under it, or has not written who
+    it is yet. A lock of this process's own is not looked at (closing a second descriptor of the file would drop
+    it: POSIX record locks belong to the process)."""
     path = run_dir / LOCK_FILE
     with _held_guard:
         if os.path.realpath(path) in _held:
@@ -132,17 +138,35 @@ def live_trainer(run_dir: Path) -> str | None:
     except OSError:
         return None  # taking the lock itself will say what is wrong
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-                return holder if holder.startswith("pid ") else None
+        if not _record_locked(fd):
             return None
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return None
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        return holder if holder.startswith("pid ") else None
     finally:
         os.close(fd)
+
+
+# Linux's struct flock on a 64-bit machine: l_type, l_whence, l_start, l_len, l_pid (32 bytes with its padding).
+_FLOCK = struct.Struct("hhqqi")
+_ASKS = sys.platform.startswith("linux") and struct.calcsize("P") == 8
+
+
+def _record_locked(fd: int) -> bool:
+    """Whether another process holds a POSIX record lock on ``fd``'s file. Asked without taking it (``F_GETLK``)
+    where the layout of the question is known: taking it, even for a moment, would make a trainer starting in that
+    moment fail with RunLockedError. Elsewhere tested by taking the lock and letting it go at once."""
+    if _ASKS:
+        try:
+            got = fcntl.fcntl(fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(32, b"\0"))
+            return _FLOCK.unpack_from(got)[0] != fcntl.F_UNLCK
+        except OSError:
+            return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EACCES, errno.EAGAIN)
+    fcntl.lockf(fd, fcntl.LOCK_UN)
+    return False
 
 
 def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], None],
