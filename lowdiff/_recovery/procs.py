@@ -15,6 +15,7 @@ a short replay), and a fork is safe only while no other thread of the process ma
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -87,6 +88,11 @@ def start(index: int, body: Callable[[], Any]) -> Worker:
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's stack
+        # What it inherited is left out of its garbage collections, which would otherwise write to (and so copy)
+        # every page of the inherited Python heap. Frozen here, not in the parent: freezing moves the collector's
+        # lists whole (no object is written), and the parent's own frozen objects (a program's gc.freeze()) stay
+        # as they were.
+        gc.freeze()
         code = 0
         try:
             os.close(rfd)

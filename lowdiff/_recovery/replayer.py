@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,14 +138,8 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
             shared = stepper.shared_keys()
             stepper.drop_grads()  # each process decodes into buffers of its own: none inherited to copy on write
             procs.trim_heap()
-            # Objects that exist now are left out of the children's garbage collections, which would otherwise
-            # write to (and so copy) every page of the inherited Python heap.
-            gc.freeze()
-            try:
-                for w in range(1, len(stepper.opts)):
-                    children.append(procs.start(w, functools.partial(_replay_share, ctx, w, shared, start)))
-            finally:
-                gc.unfreeze()
+            for w in range(1, len(stepper.opts)):
+                children.append(procs.start(w, functools.partial(_replay_share, ctx, w, shared, start)))
             result.workers = len(stepper.opts)
             stepper.own(0)
             own = stepper.own_names()
