@@ -121,3 +121,19 @@ def test_state_created_mid_replay_in_a_tensor_split_over_workers(run) -> None:
         rec = lowdiff.recover(root, step=target, workers=3, options=ReplayOptions(chunk_elems=4))
         assert rec.report.workers == 3 or target == 1
         assert_state_equal(*refs[target], rec)
+
+
+def test_a_programs_frozen_heap_stays_frozen_through_a_parallel_replay(run) -> None:
+    """The workers leave what they inherited out of their collections (freezing in each child); the program's own
+    ``gc.freeze()`` is not undone in the parent, nor its heap frozen for it."""
+    root, refs = run
+    gc.freeze()  # the program's (this session's conftest has frozen the imports already)
+    frozen = gc.get_freeze_count()
+    garbage = [[]]
+    garbage[0].append(garbage)  # a cycle made after the freeze: the parent still collects it
+    rec = lowdiff.recover(root, step=7, workers=2)
+    assert rec.report.mode == "parallel"
+    assert gc.get_freeze_count() > 0.9 * frozen  # less only by frozen objects freed since (reference counts)
+    del garbage
+    assert gc.collect() > 0
+    assert_state_equal(*refs[7], rec)
