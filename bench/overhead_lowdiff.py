@@ -336,11 +336,15 @@ class AutoLowDiffMode(LowDiffMode):
         """Wait for the writer to commit every complete segment and every snapshot submitted (the open segment
         stays open: a flush would cut it)."""
         t0 = time.perf_counter()
+        # The window's last step is held until its iteration ends (the next opt.step(); docs/guide/durability.md):
+        # neither it nor a snapshot taken at it can be committed yet.
         cur = self.opt.step_count
+        ended = cur - 1
         st = self.stats
         anchor, b = self.segment_start(st)
-        target = anchor + (cur - anchor) // b * b  # the last step of the complete segments
-        while st.durable_step < target or st.snapshots < self.snapshots_submitted:
+        target = min(anchor + max(0, ended - anchor) // b * b, ended)  # the last step of the complete segments
+        snapshots = self.snapshots_submitted - (st.last_snapshot_step == cur)
+        while st.durable_step < target or st.snapshots < snapshots:
             if st.write_error is not None:
                 raise RuntimeError(f"{self.name}: lowdiff's writer failed: {st.write_error}")
             if time.perf_counter() - t0 > DRAIN_TIMEOUT_S:

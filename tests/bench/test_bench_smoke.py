@@ -91,6 +91,7 @@ def test_overhead_smoke_auto(tmp_path: Path) -> None:
     r = out["modes"]["lowdiff-topk-auto"]
     assert r["reference"] == "lowdiff-topk-off" and r["ratio"] > 0
     assert r["decisions"] and r["decisions"][0]["reason"] == "initial"
+    assert r["drain_timeouts"] == 0  # a window's end waited for a commit that could not come (120 s each)
     # The windows follow the decision in force at the end of warm-up (a noisy machine may make the tuner
     # re-decide during the rounds: every decision is in r["decisions"]).
     f, b = r["aligned_to"]["every_steps"], r["aligned_to"]["batch_steps"]

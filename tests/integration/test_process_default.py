@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from lowdiff_harness import SLOW
 
 import lowdiff
 
 HERE = Path(__file__).parent
 CHILD = HERE / "quickstart_child.py"
 STEPS = 60
-KILLS = 20
+KILLS = 20 if SLOW else 8
+"""Kills at random moments, each in a run of its own (LOWDIFF_SLOW=1: more)."""
 DATA_WAIT_S = 0.02
 """Each iteration waits this long for its batch: a kill lands before or after the next opt.step() alike."""
 
