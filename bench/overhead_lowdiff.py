@@ -12,7 +12,8 @@ up continuously until the tuner has decided and a snapshot has followed the deci
 in force), then its windows are W steps, W a multiple of the chosen batch B dividing the chosen interval F, aligned
 so snapshot steps start windows; the reference is its ``enabled: false`` twin ``lowdiff-C-off``; the interval F
 is stratified as for the fixed modes (rounds >= F / W are needed to see a snapshot). At a window's end it waits for
-the writer to commit the complete segments and snapshots (no flush: that would cut segments shorter than B). Where
+the writer to commit the complete segments and snapshots of the iterations that have ended (the window's last
+step is held until the next ``opt.step()``; no flush: that would cut segments shorter than B). Where
 the complete segments end follows from ``opt.stats`` (the last snapshot step and the tuner's decisions) by the tuned
 policy's documented rules for cutting segments (``AutoLowDiffMode.segment_start``).
 
