@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from lowdiff._storage.lock import WriterLock, live_trainer, take_persistence_lock, wait_for_persistence
 
@@ -48,29 +51,26 @@ def _stop(run: Path, proc: subprocess.Popen[str]) -> int:
     return int(out)
 
 
-def test_looking_for_a_live_trainer_does_not_take_the_writer_lock(tmp_path: Path) -> None:
+def _take_writer_lock(run: Path) -> None:
+    WriterLock(run).release()
+
+
+def _take_persistence_lock(run: Path) -> None:
+    os.close(take_persistence_lock(run, 0))
+
+
+@pytest.mark.parametrize(("looking", "take"), [("writer", _take_writer_lock), ("persist", _take_persistence_lock)],
+                         ids=["live-trainer-test-on-writer.lock", "flock-test-on-persist.lock"])
+def test_a_reader_looking_at_the_locks_does_not_refuse_a_starting_trainer(tmp_path: Path, looking: str,
+                                                                         take: Callable[[Path], None]) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    WriterLock(run).release()  # the lock file exists, as after a trainer
-    proc = _looking(run, "writer")
+    take(run)  # the lock file exists, as after a trainer
+    proc = _looking(run, looking)
     try:
         end = time.monotonic() + 1.5
         while time.monotonic() < end:  # a trainer taking the lock while the other process looks, again and again
-            WriterLock(run).release()
-    finally:
-        looks = _stop(run, proc)
-    assert looks >= 200  # it looked all along
-
-
-def test_a_reader_testing_the_persistence_lock_does_not_refuse_a_trainer(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    os.close(take_persistence_lock(run, 0))
-    proc = _looking(run, "persist")
-    try:
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
-            os.close(take_persistence_lock(run, 0))
+            take(run)
     finally:
         looks = _stop(run, proc)
     assert looks >= 200  # it looked all along
