@@ -118,6 +118,7 @@ class Checkpointer:
 
     def __init__(self, config: Config, run_dir: RunDir, policy: SnapshotPolicy) -> None:
         self.config = config
+        self._blocked_reported = 0.0  # back-pressure already reported, seconds
         self.run_dir = run_dir
         self.policy = policy
         self.retention = RetentionPolicy(config.snapshot.keep)
@@ -279,17 +280,17 @@ class Checkpointer:
         if seconds > 0 and self._writer is not None:
             self._writer.stats.blocked_s += seconds
 
-    def report_backpressure(self, step: int, reported_s: float, every_s: float) -> float:
+    def report_backpressure(self, step: int) -> None:
         """Warn when training has waited for the writer (the disk is slower than the log grows), at most once per
-        ``every_s`` of added waiting; returns the waiting reported so far."""
+        ``log.backpressure_warn_s`` of added waiting."""
         st = self.writer_stats
-        if st.blocked_s - reported_s < every_s:
-            return reported_s
+        if st.blocked_s - self._blocked_reported < self.config.log.backpressure_warn_s:
+            return
+        self._blocked_reported = st.blocked_s
         mb_s = st.log_bytes / st.write_s / 1e6 if st.write_s > 0 else 0.0
         log.warning("lowdiff: training has waited %.1f s in all for the checkpoint writer by step %d: the log grows "
                     "faster than the disk takes it (writer: %.0f MB/s). Use a compressor, a faster disk, or larger "
                     "steps (more tokens per step); nothing is lost meanwhile", st.blocked_s, step, mb_s)
-        return st.blocked_s
 
     def check(self) -> None:
         """Raise (or warn about) a failure of the background writer in the calling thread."""

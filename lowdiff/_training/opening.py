@@ -45,8 +45,6 @@ class LoopState:
     needs_resume: bool = False
     stepped: bool = False
     """Whether the current iteration has run its optimizer step (reset by a tracked GradScaler's update())."""
-    blocked_reported: float = 0.0
-    """Back-pressure already reported, seconds."""
     step0: Any = None
     """Until the first step: what snapshot 0 holds (lowdiff._training.step_zero), or REWRITE."""
     memory_step: int | None = None

@@ -163,6 +163,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._end_iteration()
         return self._run.checkpointer.flush() if self._run.checkpointer else self._loop.step
 
+    def end_iteration(self) -> None:
+        """Optional: the loop has made this iteration's last change to objects tracked at its end (a counter of its
+        own; schedulers' and GradScalers' calls are seen without it). Its end state as it is now goes to the
+        persistence process, so a trainer dying before the next ``opt.step()`` loses nothing, and an exception
+        until then no longer drops the iteration. The next ``opt.step()`` still takes the state again. No wait."""
+        if self._run.iteration is not None:
+            self._run.iteration.end_call(None)
+
     def _end_iteration(self) -> None:
         if self._run.iteration is not None:
             self._run.iteration.seal()
@@ -238,7 +246,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             self._run.settle_step0()
         if self._run.iteration is not None:
             self._run.iteration.seal()  # the previous iteration ended: this one has reached its step
-            self._report_backpressure(self._loop.step)
+            if self._run.checkpointer is not None:
+                self._run.checkpointer.report_backpressure(self._loop.step)
         # Pre-hooks run where torch runs them, before the closure, and before the gradient is compressed and logged:
         # what a hook leaves in .grad is what the log holds.
         for pre in list(self._optimizer_step_pre_hooks.values()):
@@ -377,12 +386,8 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.step = step
         if self._loop.memory_step == step - 1:  # the memory of the skipped iteration is still the last step's
             self._loop.memory_step = step
+        self._end_call(getattr(update, "__self__", None))  # this iteration's update() has run (before its hold)
         return out
-
-    def _report_backpressure(self, step: int) -> None:
-        assert self._run.checkpointer is not None
-        self._loop.blocked_reported = self._run.checkpointer.report_backpressure(
-            step, self._loop.blocked_reported, self.config.log.backpressure_warn_s)
 
 
 def wrap(optimizer: torch.optim.Optimizer, model: torch.nn.Module,

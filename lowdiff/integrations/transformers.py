@@ -70,15 +70,22 @@ class _SchedulerSlot:
             self.pending = None
 
 
-class _RngAfterEvaluation(TrainerCallback):
-    """An evaluation during ``train()`` runs between two steps and draws from torch's generator (its DataLoader
-    iterator takes a seed); a resumed Trainer does not evaluate again, so the RNG state is taken after it."""
+class _LoopCalls(TrainerCallback):
+    """What lowdiff needs to hear from the Trainer's loop between two steps."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The step's iteration has made its end calls (the Trainer's scheduler, which lowdiff tracks through a
+        stand-in whose ``step()`` it does not see): a persistence process keeps it if the trainer dies now."""
+        if self.trainer.optimizer is not None:
+            lowdiff_optimizer(self.trainer.optimizer).end_iteration()
+
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer.optimizer is not None:  # None: evaluate() before train()
+            # An evaluation during train() draws from torch's generator (its DataLoader iterator takes a seed); a
+            # resumed Trainer does not evaluate again, so the RNG state is taken after it.
             lowdiff_optimizer(self.trainer.optimizer).capture_rng()
 
 
@@ -112,7 +119,7 @@ class LowDiffTrainer(Trainer):
         self._lowdiff_dir: str | None = None
         self._lowdiff_rng: dict[str, Any] = {}
         self._lowdiff_groups: list[dict[str, Any]] = []
-        self.add_callback(_RngAfterEvaluation(self))
+        self.add_callback(_LoopCalls(self))
 
     @property
     def lowdiff_optimizer(self) -> LowDiffOptimizer:

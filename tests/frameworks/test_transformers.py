@@ -6,6 +6,10 @@ with the Trainer's own scheduler or one passed in."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 import lowdiff  # noqa: E402
 from lowdiff.integrations.transformers import LowDiffTrainer  # noqa: E402
 
+HERE = Path(__file__).resolve()
 MAX_STEPS = 13  # 40 samples, batches of 8: 5 steps per epoch
 
 
@@ -60,8 +65,19 @@ class CrashAt(transformers.TrainerCallback):
             raise Crash(f"crash before step {self.step + 1}")
 
 
+class KillAt(transformers.TrainerCallback):
+    """SIGKILL of the trainer as step ``step + 1`` begins: during the next forward pass, as a preemption lands."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(tmp_path: Path, run: str, *, own_scheduler: bool, compressor: str = "none", crash_at: int | None = None,
-          at: str = "latest", eval_every: int | None = None) -> LowDiffTrainer:
+          at: str = "latest", eval_every: int | None = None, kill_at: int | None = None) -> LowDiffTrainer:
     model = Net()
     opt = lowdiff.wrap(torch.optim.AdamW(model.parameters(), lr=2e-2), model,
                        {"run_dir": str(tmp_path / run), "compressor": {"name": compressor, "ratio": 0.3},
@@ -74,7 +90,8 @@ def train(tmp_path: Path, run: str, *, own_scheduler: bool, compressor: str = "n
         **({} if eval_every is None else {"eval_strategy": "steps", "eval_steps": eval_every}))
     trainer = LowDiffTrainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
                              eval_dataset=None if eval_every is None else torch.utils.data.Subset(Data(), range(12)),
-                             callbacks=[CrashAt(crash_at)] if crash_at is not None else None,
+                             callbacks=([CrashAt(crash_at)] if crash_at is not None else [])
+                             + ([KillAt(kill_at)] if kill_at is not None else []),
                              lowdiff_resume_at=at)
     try:
         trainer.train()
@@ -103,8 +120,30 @@ def test_trainer_crash_resume_is_exact(tmp_path: Path, own_scheduler: bool) -> N
     with pytest.raises(Crash):
         train(tmp_path, "run", own_scheduler=own_scheduler, crash_at=7)
     got = train(tmp_path, "run", own_scheduler=own_scheduler)
-    # The crash came before step 8's optimizer step: step 7's iteration was not known to be over, so it is redone.
-    assert got.lowdiff_start == 6
+    # The crash came in step 8's on_step_begin, after step 7's on_step_end: step 7's iteration had ended (its
+    # scheduler step included), so it is kept, as a SIGKILL at that moment keeps it.
+    assert got.lowdiff_start == 7
+    assert_same_end(ref, got)
+
+
+_KILLED_CHILD = """
+import sys
+from pathlib import Path
+import test_transformers as t
+t.train(Path(sys.argv[1]), "run", own_scheduler=True, kill_at=7)
+"""
+
+
+def test_a_trainer_killed_after_a_steps_end_keeps_that_step(tmp_path: Path) -> None:
+    """SIGKILL as step 8 begins: step 7's iteration ended at its on_step_end (the Trainer's scheduler had
+    stepped), and the persistence process, told so then, keeps it; the resume continues from step 7, exactly."""
+    ref = train(tmp_path, "ref", own_scheduler=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[2])])}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    got = train(tmp_path, "run", own_scheduler=True)  # waits for the dead trainer's persistence process
+    assert got.lowdiff_start == 7
     assert_same_end(ref, got)
 
 
@@ -125,7 +164,7 @@ def test_evaluation_every_few_steps_resumes_exactly(tmp_path: Path, crash_at: in
     with pytest.raises(Crash):
         train(tmp_path, "run", own_scheduler=True, crash_at=crash_at, eval_every=2)
     got = train(tmp_path, "run", own_scheduler=True, eval_every=2)
-    assert got.lowdiff_start == crash_at - 1
+    assert got.lowdiff_start == crash_at
     assert_same_end(ref, got)
 
 

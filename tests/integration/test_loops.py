@@ -328,6 +328,29 @@ def test_with_block_exception_drops_the_iteration(tmp_path: Path) -> None:
     assert rec.step == 2 and rec.data["sched"]["last_epoch"] == 2 and rec.end_groups[0]["lr"] == 0.025
 
 
+@pytest.mark.parametrize("persistence", ["thread", "process"])
+def test_an_exception_after_the_iterations_end_calls_keeps_the_iteration(tmp_path: Path, persistence: str) -> None:
+    """The exception comes after ``sched.step()`` (in the loop's logging, say): the iteration had ended, so it is
+    logged, as a SIGKILL at that moment leaves it; the resume does not redo it."""
+    model = nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = L.StepLR(inner, 1, 0.5)
+    with pytest.raises(KeyError):
+        with lowdiff.wrap(inner, model, {"run_dir": str(tmp_path / "run"),
+                                         "log": {"persistence": persistence}}) as opt:
+            opt.track(sched, "sched")
+            opt.resume()
+            for it in range(1, 4):
+                model(torch.ones(1, 3)).sum().backward()
+                opt.step()
+                sched.step()
+                if it == 3:
+                    raise KeyError("after sched.step()")
+    rec = lowdiff.recover(tmp_path / "run")
+    assert rec.step == 3 and rec.data["sched"]["last_epoch"] == 3 and rec.end_groups[0]["lr"] == 0.0125
+    assert torch.equal(rec.model["weight"], model.weight.detach())
+
+
 class Unloggable:
     def __init__(self) -> None:
         self.seen: set[int] | int = 0

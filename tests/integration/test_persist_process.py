@@ -811,6 +811,73 @@ def test_rng_taken_again_after_an_evaluation_survives_a_killed_trainer(tmp_path:
         assert torch.equal(torch.get_rng_state(), torch.load(after_eval))
 
 
+_END_THEN_KILL = """
+import json, os, signal, sys, torch
+import lowdiff
+torch.set_num_threads(1)
+torch.manual_seed(0)
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+how = json.loads(sys.argv[2])
+model = torch.nn.Linear(4, 2)
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.StepLR(inner, 1, 0.5)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+opt = lowdiff.wrap(inner, model, {"run_dir": sys.argv[1], "log": {"persistence": "process", "batch_steps": 2},
+                                  "snapshot": {"every_steps": 100}})
+counter = opt.track(Counter(), "counter") if how["counter"] else None
+opt.track(sched, "sched")
+opt.track(scaler, "scaler")
+for it in range(1, 6):
+    loss = model(torch.randn(5, 4)).sum()
+    if it == how["skip"]:
+        loss = loss * float("inf")  # the scaler finds inf gradients and skips this iteration's step
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    sched.step()
+    if counter is not None:
+        counter.n += 1
+        if how["end"]:
+            opt.end_iteration()
+    if it == how["kill"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("counter,end,skip,kept", [(True, True, 0, 4), (True, False, 0, 3), (False, False, 4, 4)],
+                         ids=["counter-end_iteration", "counter-unannounced", "scaler-skipped"])
+def test_a_trainer_killed_after_its_iterations_end_keeps_it(tmp_path: Path, counter: bool, end: bool, skip: int,
+                                                               kept: int) -> None:
+    """SIGKILL after iteration 4's end calls, before the next ``opt.step()``: the iteration is kept when lowdiff
+    knows it has ended (every object tracked at the end has made its call, or ``opt.end_iteration()``), also when
+    the GradScaler skipped its step; a counter of the loop's own, unannounced, leaves it unknown (redone)."""
+    run_dir = tmp_path / "run"
+    how = {"counter": counter, "end": end, "skip": skip, "kill": 4}
+    proc = subprocess.run([sys.executable, "-c", _END_THEN_KILL, str(run_dir), json.dumps(how)],
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    rec = lowdiff.recover(run_dir)  # waits for the dead trainer's persistence process
+    assert rec.step == kept
+    assert rec.data["sched"]["last_epoch"] == kept
+    if counter:
+        assert rec.data["counter"] == {"n": kept}
+    if skip:
+        assert rec.data["scaler"]["scale"] == 2.0 ** 3  # halved by iteration 4's update()
+
+
 _SNAPSHOT_FAILS_MID_SEGMENT = """
 import errno, sys, torch
 import lowdiff, lowdiff.testing
