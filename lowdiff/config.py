@@ -229,8 +229,9 @@ class RemoteConfig:
         if not all(isinstance(k, str) for k in self.storage_options):
             raise ConfigError("config key 'remote.storage_options' must have string keys")
         _check_number("remote.close_timeout_s", self.close_timeout_s, lambda v: 0 <= v < float("inf"),
-                      "a number of seconds >= 0")
-        _check_number("remote.lag_warn_s", self.lag_warn_s, lambda v: 0 < v < float("inf"), "a number > 0")
+                      "a finite number of seconds >= 0")
+        _check_number("remote.lag_warn_s", self.lag_warn_s, lambda v: 0 < v < float("inf"),
+                      "a finite number of seconds > 0")
 
 
 @dataclass(frozen=True, kw_only=True)

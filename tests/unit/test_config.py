@@ -212,3 +212,6 @@ def test_remote_section_is_validated_and_never_recorded() -> None:
                        ({"bucket": "x"}, "remote.bucket")]:
         with pytest.raises(ConfigError, match=named):
             Config.from_dict({"run_dir": "r", "remote": {"url": "s3://b/p", **bad}})
+    for key in ("close_timeout_s", "lag_warn_s"):  # infinity is refused, and the message says so
+        with pytest.raises(ConfigError, match=f"'remote.{key}' must be a finite number of seconds"):
+            Config.from_dict({"run_dir": "r", "remote": {"url": "s3://b/p", key: float("inf")}})
