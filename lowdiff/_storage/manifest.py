@@ -182,6 +182,10 @@ def write_history(run_dir: Path, new: History) -> None:
 def read_manifest(run_dir: Path) -> Manifest:
     path = run_dir / MANIFEST
     if not run_dir.is_dir():
+        if run_dir.exists():  # a file: often the manifest itself, named instead of its directory
+            where = f"the directory holding it, {run_dir.parent}" if run_dir.name == MANIFEST else \
+                f"the run directory (the one holding {MANIFEST})"
+            raise RunDirNotFoundError(f"{run_dir} is not a directory; pass {where}")
         raise RunDirNotFoundError(f"run directory {run_dir} does not exist")
     if not os.path.lexists(path):
         raise RunDirNotFoundError(f"{run_dir} holds no lowdiff run ({MANIFEST} missing); check the path")

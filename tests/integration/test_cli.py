@@ -98,6 +98,18 @@ def test_errors_are_one_line_naming_the_problem(tmp_path: Path) -> None:
     assert "Traceback" not in p.stderr
 
 
+def test_a_file_given_as_the_run_directory_is_named_and_its_directory_suggested(run, capsys) -> None:
+    root, _ = run
+    for args, prog in ((["recover", str(root / "manifest.json")], "lowdiff recover"),
+                       (["verify", str(root / "manifest.json")], "lowdiff verify")):
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert err == f"{prog}: error: {root / 'manifest.json'} is not a directory; pass the directory holding it, " \
+                      f"{root}\n", err
+    assert cli.recover_main([str(next((root / "log").iterdir()))]) == 2
+    assert "is not a directory; pass the run directory (the one holding manifest.json)" in capsys.readouterr().err
+
+
 def test_compact_then_recover_is_still_exact(run) -> None:
     root, refs = run
     p = _cli("compact", str(root), "--keep", "1", "--workers", "2")
