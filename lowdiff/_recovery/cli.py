@@ -44,6 +44,20 @@ def _optimizer_class(spec: str | None) -> type | None:
     return obj
 
 
+class _Bar:
+    """``recover()``'s ``progress``: advances a tqdm bar, and gives it the number of steps to replay (its total, so
+    it shows an ETA) once recovery knows it."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def __call__(self, n: int) -> None:
+        self.bar.update(n)
+
+    def set_total(self, total: int) -> None:
+        self.bar.reset(total=total)
+
+
 def _add_recover_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run directory (holds manifest.json), or the URL it is mirrored to "
                    "(s3://bucket/prefix; endpoint and credentials from the store's environment)")
@@ -85,7 +99,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
         # No monitor thread: replay worker processes are forked only from a process without other threads.
         tqdm.monitor_interval = 0
         bar = tqdm(desc="replaying", unit="step", file=sys.stderr)
-        progress = bar.update
+        progress = _Bar(bar)
     try:
         rec = recover(args.run_dir, step=args.step, workers=args.workers, progress=progress,
                       optimizer_class=_optimizer_class(args.optimizer_class))

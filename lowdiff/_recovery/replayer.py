@@ -105,6 +105,9 @@ def replay_partition(manifest: Manifest, snapshot: FileSet, segments: list[Segme
             options.before_read(path)
     snap = read_snapshot(snapshot, manifest, only=only, with_buffers=with_buffers)
     times.load_snapshot_s = time.perf_counter() - t0
+    if callable(getattr(progress, "set_total", None)):
+        # The steps this replay will report (a recovery that starts over around a damaged file says it again).
+        progress.set_total(max(target - snap.step, 0))
     wanted = [n for n in optimized if names is None or n in set(names)]
     params = {n: torch.nn.Parameter(snap.params[n].to(device).contiguous(),
                                     requires_grad=manifest.param(n).requires_grad) for n in wanted}

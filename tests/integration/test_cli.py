@@ -68,7 +68,23 @@ def test_progress_bar_leaves_no_thread_that_would_stop_the_worker_processes(run,
     assert cli.recover_main([str(root), "--step", "7", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "replaying" in err.getvalue()  # the bar was drawn
+    assert "3/3" in err.getvalue(), err.getvalue()  # with its total (steps 5..7 from snapshot 4): an ETA
     assert "mode parallel, workers 2" in out, out
+
+
+def test_progress_is_told_the_number_of_steps_to_replay(run) -> None:
+    root, _ = run
+    calls: list[tuple[str, int]] = []
+
+    class Progress:
+        def __call__(self, n: int) -> None:
+            calls.append(("step", n))
+
+        def set_total(self, total: int) -> None:
+            calls.append(("total", total))
+
+    lowdiff.recover(root, step=7, workers=1, progress=Progress())
+    assert calls == [("total", 3)] + [("step", 1)] * 3
 
 
 def test_inspect_and_verify_a_good_run(run) -> None:
