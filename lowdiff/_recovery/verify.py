@@ -50,8 +50,12 @@ class VerifyReport:
             return (f"verify: OK ({self.files} files: every checksum, run id, name, shape, value and payload checked, "
                     f"and the log's contiguity{reach})")
         lines = [f"BAD  {p}" for p in self.problems]
-        lines.append(f"verify: {len(self.problems)} problem(s) in {self.files} files"
-                     + ("" if self.latest_step is None else f"; the others reach step {self.latest_step}"))
+        n = len(self.problems)
+        # No file checked: the manifest could not be read (nothing can be checked without it), or there is none.
+        checked = (f"{self.files} file{'' if self.files == 1 else 's'} checked" if self.files else
+                   "no snapshot, segment or stop file checked")
+        lines.append(f"verify: {n} problem{'' if n == 1 else 's'}; {checked}"
+                     + ("" if self.latest_step is None else f"; the files that passed reach step {self.latest_step}"))
         return "\n".join(lines)
 
 

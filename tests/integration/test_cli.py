@@ -126,6 +126,15 @@ def test_a_file_given_as_the_run_directory_is_named_and_its_directory_suggested(
     assert "is not a directory; pass the run directory (the one holding manifest.json)" in capsys.readouterr().err
 
 
+def test_verify_of_an_unreadable_manifest_says_nothing_else_was_checked(run) -> None:
+    root, _ = run
+    (root / "manifest.json").write_text("{bad")
+    p = _cli("verify", str(root))
+    assert p.returncode == 1
+    assert p.stdout.startswith("BAD  ") and "not valid JSON" in p.stdout
+    assert p.stdout.splitlines()[-1] == "verify: 1 problem; no snapshot, segment or stop file checked", p.stdout
+
+
 def test_compact_then_recover_is_still_exact(run) -> None:
     root, refs = run
     p = _cli("compact", str(root), "--keep", "1", "--workers", "2")
