@@ -12,6 +12,7 @@ from lowdiff._storage import history, layout
 from lowdiff._storage.format import Shard, encode_value, list_snapshots
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_named
+from lowdiff._storage.remote import is_url
 from lowdiff._storage.run_dir import RetentionPolicy, RunDir
 from lowdiff._storage.snapshot import SnapshotState, write_snapshot
 from lowdiff.config import resolve_codec
@@ -32,8 +33,13 @@ def compact(run_dir: str | Path, step: int | None = None, keep: int | None = Non
     """Write a full snapshot at ``step`` (default: latest durable) rebuilt from the log; then, if ``keep`` is
     given, delete all but the newest ``keep`` snapshots and every segment no remaining snapshot needs.
 
-    Takes the run's writer lock, so it refuses to run beside a live trainer.
+    Takes the run's writer lock, so it refuses to run beside a live trainer. A local run directory only: a URL
+    (a run mirrored with ``remote.url``) is refused.
     """
+    if is_url(run_dir):  # Path() would fold its '//' and report a missing local directory
+        raise LowDiffError(f"compact works on a local run directory only, not {run_dir}: recover the state from "
+                           f"there (lowdiff-recover {run_dir} --output FILE), or copy the run to a local directory "
+                           "and compact that")
     root = Path(run_dir)
     manifest = read_manifest(root)
     run = RunDir(root)

@@ -135,6 +135,14 @@ def test_verify_of_an_unreadable_manifest_says_nothing_else_was_checked(run) -> 
     assert p.stdout.splitlines()[-1] == "verify: 1 problem; no snapshot, segment or stop file checked", p.stdout
 
 
+def test_compact_refuses_a_url_naming_it_unchanged(capsys) -> None:
+    assert cli.main(["compact", "s3://bucket/runs/exp1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lowdiff compact: error: compact works on a local run directory only, not "
+                          "s3://bucket/runs/exp1:"), err
+    assert "lowdiff-recover s3://bucket/runs/exp1" in err and err.count("\n") == 1
+
+
 def test_compact_then_recover_is_still_exact(run) -> None:
     root, refs = run
     p = _cli("compact", str(root), "--keep", "1", "--workers", "2")
