@@ -56,6 +56,15 @@ def at_step(history: History, step: int) -> str | None:
     return out
 
 
+def descends(newer: History, older: History) -> bool:
+    """Whether ``newer`` is ``older`` resumed since, once or more: ``older``'s current branch is one ``newer`` went
+    through and left (every history went through the first one). Neither descends from the other when both resumed
+    on their own (two machines), or when ``newer`` went back past the start of ``older``'s current branch."""
+    if current(newer) == current(older):
+        return False
+    return current(older) is None or current(older) in {b for b, _ in newer}
+
+
 def resumed(history: History, branch: str, step: int) -> History:
     """``history`` once a resume from the state of ``step`` starts ``branch``: the branches that started after
     ``step`` are discarded with the files the resume moved aside."""

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lowdiff._storage import history
 from lowdiff._storage.atomic import write_json_atomic
 from lowdiff._storage.format import (
     LOG_DIR,
@@ -311,14 +312,20 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         pull(store, root)
         return True, f"{root} held no run: pulled the run from {store.url} (up to step {newest_step(remote)})"
     with fetched_manifest(store) as there:
-        theirs = read_manifest(there).run_id
-    ours = read_manifest(root).run_id
-    if theirs != ours:
-        raise RemoteStoreError(f"{store.url} holds another run (run id {theirs}) than {root} (run id {ours}); "
-                               "point remote.url at this run's prefix or at an empty one")
+        theirs = read_manifest(there)
+    ours = read_manifest(root)
+    if theirs.run_id != ours.run_id:
+        raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "
+                               f"{ours.run_id}); point remote.url at this run's prefix or at an empty one")
     local_step = newest_step(local_files(root))
     remote_step = newest_step(remote)
-    if remote_step <= local_step:
+    # A resume is later than every step before it: the side that resumed since the other was written wins,
+    # whichever file names reach the higher step (the other's may be a history the resume went back from).
+    if history.descends(ours.history, theirs.history):
+        return True, (f"{root} resumed the run since {store.url} was last written: resuming from the local run "
+                      f"directory (up to step {local_step}; the store's files, up to step {remote_step}, are replaced "
+                      "by the mirror)")
+    if not history.descends(theirs.history, ours.history) and remote_step <= local_step:
         return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step {remote_step}): "
                 "resuming from the local run directory")
     aside = root / "quarantine" / f"replaced-by-remote-{int(time.time())}"
@@ -328,8 +335,9 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         os.replace(root / name, target)
     (root / RECORD).unlink(missing_ok=True)
     pull(store, root)
-    return True, (f"{store.url} (up to step {remote_step}) is newer than {root} (up to step {local_step}): pulled "
-                  f"it; the local files are in {aside}")
+    why = (f"resumed the run since {root} was written" if history.descends(theirs.history, ours.history)
+           else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
+    return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
 
 
 @contextlib.contextmanager

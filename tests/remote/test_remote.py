@@ -305,8 +305,10 @@ def test_the_mirror_deletes_only_what_it_put_there(tmp_path: Path, s3) -> None:
 
 
 def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
-    """A machine comes back with a stale copy of the run (step 6) while the bucket holds step 14: the bucket's run
-    is pulled (the stale files moved to quarantine/) and said so; a local run at least as new is kept."""
+    """Machines come back with stale copies of the run while the bucket holds step 14, and the bucket's run is
+    pulled (the stale files moved to quarantine/) and said so: a copy of the same history taken at step 10, and one
+    taken at step 6, before the resume that continued the run (the bucket resumed since, whatever the steps). A
+    local run as new as the bucket is kept."""
     import logging
 
     url = f"s3://{s3.new_bucket()}/run"
@@ -314,22 +316,72 @@ def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.L
     train_run(scenario, tmp_path / "a", 6)
     shutil.copytree(tmp_path / "a", tmp_path / "stale")
     t = start(scenario, tmp_path / "a")
-    t.train(7, 14)
+    t.train(7, 10)
+    t.opt.flush()
+    shutil.copytree(tmp_path / "a", tmp_path / "behind")
+    t.train(11, 14)
     t.opt.close()
 
     caplog.set_level(logging.WARNING, logger="lowdiff")
+    tb = start(scenario, tmp_path / "behind", resume=False)
+    assert tb.opt.resume() == 14
+    tb.opt.close()
+    said = [r.getMessage() for r in caplog.records if "is newer than" in r.getMessage()]
+    assert said and "pulled it" in said[0] and "quarantine" in said[0], [r.getMessage() for r in caplog.records]
+    assert list((tmp_path / "behind" / "quarantine").rglob("*.h5"))
+
+    caplog.clear()
     t2 = start(scenario, tmp_path / "stale", resume=False)
     assert t2.opt.resume() == 14
+    wait_remote_durable(t2.opt)  # its resume is in the bucket's manifest
     t2.opt.close()
-    said = [r.getMessage() for r in caplog.records if "is newer than" in r.getMessage()]
-    assert said and "quarantine" in said[0], [r.getMessage() for r in caplog.records]
+    said = [r.getMessage() for r in caplog.records if "resumed the run since" in r.getMessage()]
+    assert said and "pulled it" in said[0] and "quarantine" in said[0], [r.getMessage() for r in caplog.records]
     assert list((tmp_path / "stale" / "quarantine").rglob("*.h5"))
 
     caplog.clear()
-    t3 = start(scenario, tmp_path / "a", resume=False)  # as new as the bucket: the local run is used
+    t3 = start(scenario, tmp_path / "stale", resume=False)  # as new as the bucket: the local run is used
     assert t3.opt.resume() == 14
     t3.opt.close()
     assert any("at least as new as" in r.getMessage() for r in caplog.records)
+
+
+def test_a_resume_since_the_other_side_was_written_wins_over_a_higher_step(tmp_path: Path, s3,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Steps 1-20 go to the bucket; then, with the mirror off (the store down), the machine resumes at snapshot 14
+    and trains the new history to 19. The bucket's file names reach step 20, of the history that resume went back
+    from: the local run is kept, not replaced by it. A stale copy of the run from before that resume (also up to
+    step 20) meets the bucket once the mirror has caught up: the bucket resumed since, and is pulled."""
+    import logging
+
+    url = f"s3://{s3.new_bucket()}/run"
+    mirrored = replace(BASE, persistence="thread", remote_url=url)
+    t = start(mirrored, tmp_path / "a")
+    t.train(1, 20)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "stale")
+    t = start(replace(mirrored, remote_url=None), tmp_path / "a", resume=False)
+    assert t.opt.resume(at="snapshot") == 14
+    t.train(15, 19)
+    t.opt.close()
+    new_history = lowdiff.recover(tmp_path / "a")
+
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    t2 = start(mirrored, tmp_path / "a", resume=False)
+    assert t2.opt.resume() == 19
+    t2.opt.flush()
+    wait_remote_durable(t2.opt)
+    t2.opt.close()
+    assert any("resumed the run since" in r.getMessage() for r in caplog.records)
+    assert not list((tmp_path / "a" / "quarantine").glob("replaced-by-remote-*"))
+
+    t3 = start(mirrored, tmp_path / "stale", resume=False)  # up to step 20, of the history the resume left
+    assert t3.opt.resume() == 19
+    t3.opt.close()
+    assert list((tmp_path / "stale" / "quarantine").glob("replaced-by-remote-*"))
+    assert_state_equal(new_history.model, new_history.optimizer, lowdiff.recover(url))
 
 
 def test_close_names_the_steps_not_in_the_bucket(tmp_path: Path, s3_env, caplog: pytest.LogCaptureFixture) -> None:
