@@ -33,6 +33,21 @@ def test_inspect_verify_compact(tmp_path: Path) -> None:
     assert_state_equal(*refs[10], lowdiff.recover(run))
 
 
+@pytest.mark.parametrize("persistence", ["process", "thread"])
+def test_compact_beside_this_processs_open_wrapper_is_refused_at_once(tmp_path: Path, persistence: str) -> None:
+    """The script compacts its own run while its wrapper is still open: refused, naming this process, instead of
+    waiting out the persistence-lock timeout for a persistence process that is its own."""
+    from dataclasses import replace
+
+    t = train_run(replace(SCENARIO, persistence=persistence), tmp_path / "run", 3, close=False)
+    try:
+        with pytest.raises(lowdiff.RunLockedError, match="open for writing in this process"):
+            lowdiff.compact(tmp_path / "run")
+    finally:
+        t.opt.close()
+    assert lowdiff.compact(tmp_path / "run").step == 3
+
+
 def test_compact_replaces_a_damaged_snapshot_at_its_step_before_pruning(tmp_path: Path) -> None:
     """The newest snapshot, at the latest step, is damaged: recovery reaches that step from an older snapshot and
     the log. ``compact(keep=1)`` must write the step's snapshot again before pruning: it counted the damaged file as
