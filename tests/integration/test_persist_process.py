@@ -1118,9 +1118,14 @@ def batch(k):
     opt.zero_grad()
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(k))).sum().backward()
 for k in (1, 2):
-    batch(k); opt.step(); sched.step()
+    batch(k); opt.step()
+    if k == 2 and how == "close":  # an exception before sched.step(): the loop's `with opt:` closes it as interrupted
+        opt.close(interrupted=True)
+        print("closed", flush=True)
+        sys.exit(0)
+    sched.step()
 torch.save(copy.deepcopy(model.state_dict()), run_dir + "-step2.pt")  # its snapshot is still being copied
-if how == "close":  # an exception in the next forward pass: the loop's `with opt:` closes it as interrupted
+if how == "close-ended":  # the same in the next forward pass, after iteration 2 ended: it is kept, with its snapshot
     opt.close(interrupted=True)
     print("closed", flush=True)
     sys.exit(0)
@@ -1139,13 +1144,15 @@ print("closed", flush=True)
 
 
 @pytest.mark.parametrize("persistence", ["thread", "process"])
-@pytest.mark.parametrize("how", ["close", "interrupt"])
+@pytest.mark.parametrize("how", ["close", "close-ended", "interrupt"])
 def test_a_snapshot_copy_in_flight_survives_an_interrupted_close_or_wait(tmp_path: Path, persistence: str,
                                                                          how: str) -> None:
     """``snapshot.background_copy`` with a copy still running when the loop is interrupted. ``close``: closing
     as interrupted gave the snapshot's arena back and unmapped it while the copy thread still wrote into it (the
     trainer died of SIGSEGV). ``interrupt``: a Ctrl-C while ``opt.step()`` waited for the copy made the retried
-    step forget to wait, and it changed the state the copy was reading (the snapshot of step 2 was wrong)."""
+    step forget to wait, and it changed the state the copy was reading (the snapshot of step 2 was wrong).
+    ``close-ended``: closed as interrupted after the iteration's ``sched.step()``: the iteration and its snapshot
+    are kept, the snapshot as the copy made it."""
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-c", _COPY_INTERRUPTED, str(run_dir), persistence, how],
                          capture_output=True, text=True, timeout=120)
@@ -1154,5 +1161,7 @@ def test_a_snapshot_copy_in_flight_survives_an_interrupted_close_or_wait(tmp_pat
         assert lowdiff.recover(run_dir, workers=1).step == 1
         return
     rec = lowdiff.recover(run_dir, step=2, workers=1)
+    if how == "close-ended":
+        assert lowdiff.recover(run_dir, workers=1).step == 2 and rec.report.snapshot_step == 2
     want = torch.load(str(run_dir) + "-step2.pt")
     assert all(torch.equal(v, rec.model[k]) for k, v in want.items())
