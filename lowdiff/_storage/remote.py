@@ -36,6 +36,7 @@ from lowdiff._storage.format import (
     parse_snapshot_name,
 )
 from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.store_options import PUT_MIN_BYTES_PER_S, request_bound_s, s3_options
 from lowdiff.errors import RemoteStoreError
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,6 @@ log = logging.getLogger(__name__)
 RECORD = "mirror.json"
 """In the local run directory: the files uploaded to which URL, as ``{"url", "files": {name: [size, mtime_ns]}}``."""
 PULL_WORKERS = 8
-S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}}
-"""s3fs options unless ``remote.storage_options`` gives its own: a store that hangs fails a request within about a
-minute (the mirror retries it) instead of botocore's default of several minutes."""
 
 
 def is_url(path: Any) -> bool:
@@ -154,11 +152,16 @@ class Store:
         self.url = url.rstrip("/")
         protocol = url.split("://", 1)[0]
         opts = dict(storage_options or {})
+        retries = None
+        self.request_s: float | None = None
+        """How long a request to a hung store takes to fail (lowdiff._storage.store_options); None: not known."""
         if protocol in ("s3", "s3a"):
-            for k, v in S3_DEFAULTS.items():
-                opts.setdefault(k, v)
+            opts, retries = s3_options(opts)
+            self.request_s = request_bound_s(opts["config_kwargs"], retries)
         try:
             self.fs, path = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **opts)
+            if retries is not None:
+                self.fs.retries = retries
         except ImportError as e:
             raise RemoteStoreError(f"{url}: no filesystem for {protocol}:// is installed ({e}); pip install "
                                    "'lowdiff[remote]' (s3fs), or the fsspec package for that store") from e
@@ -197,8 +200,17 @@ class Store:
             self.fs.makedirs(self._path(name).rsplit("/", 1)[0], exist_ok=True)
             self.fs.put_file(str(local), tmp)
             self.fs.mv(tmp, self._path(name))
-        else:
+        elif self.request_s is None:
             self.fs.put_file(str(local), self._path(name))
+        else:  # an AsyncFileSystem's call: cancelled after ``timeout`` (lowdiff._storage.store_options)
+            from fsspec.exceptions import FSTimeoutError
+
+            limit = self.request_s + local.stat().st_size / PUT_MIN_BYTES_PER_S
+            try:
+                self.fs.put_file(str(local), self._path(name), timeout=limit)
+            except FSTimeoutError as e:
+                raise RemoteStoreError(f"uploading {name} to {self.url} got no answer within {limit:.0f} s (the "
+                                       "store hangs, or the network dropped the connection); it is retried") from e
 
     def get(self, name: str, local: Path) -> None:
         """Download ``name`` into ``local`` (through ``local.tmp``, renamed once whole)."""

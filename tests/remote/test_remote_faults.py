@@ -1,0 +1,132 @@
+"""The remote tier when the store misbehaves: a store that accepts connections and never answers, a mirror closed
+while the store hangs, a damaged manifest in the bucket (tests/remote/conftest.py's real S3 server, and a silent
+socket standing for a hung one)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lowdiff_harness import Scenario, Trainer, make_model, make_optimizer
+
+import lowdiff
+
+BASE = Scenario(model="mlp_bn", optimizer="adamw", groups=2, scheduler=False, compressor="topk", ratio=0.25,
+                batch_steps=3, every_steps=7, seed=3, persistence="thread")
+FAST = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
+"""A hung store's request then fails after 2 attempts of 1 + 1 s (S3_CONFIG's attempts, S3_RETRIES) plus backoff."""
+FAST_BOUND_S = 8.0
+"""What a request failing within FAST's bound (5.1 s) takes at most here (s3fs's own 5 retries made it 30 s)."""
+
+
+@contextlib.contextmanager
+def silent_endpoint() -> Iterator[str]:
+    """An S3 endpoint that accepts every connection and never answers nor reads (a hung store)."""
+    pytest.importorskip("s3fs")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+
+
+@pytest.fixture
+def silent(monkeypatch: pytest.MonkeyPatch, s3_env: None) -> Iterator[str]:
+    """``AWS_ENDPOINT_URL`` pointing at a :func:`silent_endpoint`."""
+    with silent_endpoint() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        yield endpoint
+
+
+def wrap(scenario: Scenario, run_dir: Path, storage_options: dict[str, Any] | None = None,
+         **remote: Any) -> Trainer:
+    model = make_model(scenario.model, scenario.seed)
+    inner = make_optimizer(scenario.optimizer, model, scenario.model, scenario.groups)
+    config = scenario.config(run_dir)
+    config["remote"].update(storage_options=storage_options or {}, **remote)
+    opt = lowdiff.wrap(inner, model, config)
+    return Trainer(scenario, model, inner, opt, None)
+
+
+def test_a_hung_store_fails_wrap_within_the_bound(tmp_path: Path, silent: str) -> None:
+    """An empty run directory and a store that never answers: wrap() refuses (a new run could replace the one the
+    store holds) once a request has failed, naming the URL, within the request's bound, not after minutes of
+    retries on the training thread. The user's own config_kwargs (a read timeout) keep lowdiff's attempts."""
+    url = "s3://hung-bucket/run"
+    t0 = time.monotonic()
+    with pytest.raises(lowdiff.RemoteStoreError, match=f"cannot list {url}") as e:
+        wrap(replace(BASE, remote_url=url), tmp_path / "run", FAST)
+    took = time.monotonic() - t0
+    assert took < FAST_BOUND_S, f"wrap() took {took:.1f} s against a hung store"
+    assert "remote.url" in str(e.value)
+
+
+def test_a_hung_store_at_wrap_of_a_local_run(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """With a local run, a store that never answers at wrap() is a warning naming the URL, within the bound:
+    training starts and goes on from the local run."""
+    url = f"s3://{s3.new_bucket()}/run"
+    scenario = replace(BASE, remote_url=url, remote_close_timeout_s=0.0)
+    t = wrap(scenario, tmp_path / "run")
+    t.train(1, 3)
+    t.opt.close()
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    with silent_endpoint() as endpoint, pytest.MonkeyPatch.context() as mp:  # the same bucket, hung
+        mp.setenv("AWS_ENDPOINT_URL", endpoint)
+        t0 = time.monotonic()
+        t = wrap(scenario, tmp_path / "run", FAST)
+        took = time.monotonic() - t0
+        assert t.opt.resume() == 3
+        t.train(4, 5)
+        t.opt.close()
+    assert took < FAST_BOUND_S, f"wrap() took {took:.1f} s against a hung store"
+    said = [r.getMessage() for r in caplog.records if f"cannot list {url}" in r.getMessage()]
+    assert said and "resuming from" in said[0], [r.getMessage() for r in caplog.records]
+
+
+def test_an_upload_to_a_hung_store_is_abandoned_within_the_bound(tmp_path: Path, silent: str) -> None:
+    """botocore's read timeout starts only once a request's body is sent, and an upload first waits for the
+    store's 100 Continue: without lowdiff's own limit an upload to a hung store waited forever (the mirror with
+    it). It fails, naming the URL, within the request's bound plus its bytes' time."""
+    from lowdiff._storage.remote import Store
+
+    store = Store("s3://hung-bucket/run", FAST)
+    assert store.request_s is not None and store.request_s < FAST_BOUND_S - 2
+    (tmp_path / "f.h5").write_bytes(bytes(64 * 1024))  # + 0.5 s at PUT_MIN_BYTES_PER_S
+    failed: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            store.put(tmp_path / "f.h5", "snapshots/step-0000000007.h5")
+        except BaseException as e:
+            failed.append(e)
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=put, daemon=True)
+    worker.start()
+    worker.join(FAST_BOUND_S + 5)
+    assert not worker.is_alive(), f"the upload still waits after {time.monotonic() - t0:.0f} s"
+    assert time.monotonic() - t0 < FAST_BOUND_S
+    assert failed and isinstance(failed[0], lowdiff.RemoteStoreError), failed
+    assert "s3://hung-bucket/run" in str(failed[0]) and "no answer" in str(failed[0])
