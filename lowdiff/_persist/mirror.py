@@ -19,6 +19,9 @@ committed). A failing or hanging store never
 reaches training: the pass is retried with backoff (0.5 s to 30 s), a warning says once when the lag passes
 ``remote.lag_warn_s``, and the next pass uploads whatever is current then. What was uploaded is recorded in
 ``RUN_DIR/mirror.json`` (lowdiff._storage.remote), so a restarted mirror uploads only what is missing.
+
+:meth:`Mirror.close` stops it: once it has returned no upload or deletion starts and nothing is logged (an upload
+still running in a hung store may finish; nothing follows it, not even the record).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ INCOMPLETE_WAIT_S = 0.5
 """How long a pass that found another rank's shard of a file set missing waits before it looks again."""
 
 
+class _Stopped(Exception):
+    """close() stopped the mirror between two uploads."""
+
+
 class Mirror:
     """Uploads ``root`` to ``settings["url"]`` (a ``remote`` config section as a dict) on a thread of its own;
     ``stats`` gets ``remote_durable_step``, ``remote_lag_bytes`` and ``remote_behind_since``; ``on_progress`` is
@@ -63,6 +70,7 @@ class Mirror:
         self._dirty = True  # the first pass uploads what an earlier process left
         self._done = -1
         self._stop = False
+        self._busy = False  # a pass is running: close() waits for it even where it uploads nothing newer
         self._dead = False  # a permanent failure (no filesystem for the URL): mirroring is off
         self._foreign = False  # the prefix holds another run's manifest: never written to
         self._failing: str | None = None
@@ -92,10 +100,12 @@ class Mirror:
 
     def close(self, timeout_s: float | None = None) -> int:
         """Wait up to ``timeout_s`` (default ``remote.close_timeout_s``) for the mirror to upload everything kicked,
-        then stop it; returns the remote-durable step (-1: nothing confirmed)."""
+        then stop it: no upload starts and nothing is logged once this returns. Returns the remote-durable step
+        (-1: nothing confirmed)."""
         deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
         with self._cond:
-            while (self._dirty or self._done < self._wanted) and not self._dead and self._thread.is_alive():
+            while (self._dirty or self._busy or self._done < self._wanted) and not self._dead \
+                    and self._thread.is_alive():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -103,7 +113,7 @@ class Mirror:
             self._stop = True
             self._cond.notify_all()
             done = self._done
-        self._thread.join(timeout=1.0)  # one hung in the store stays behind (a daemon thread)
+        self._thread.join(timeout=1.0)  # one hung in the store stays behind (a daemon thread) and then does nothing
         return done
 
     # -- the mirror's thread ------------------------------------------------------------------------------------
@@ -116,13 +126,15 @@ class Mirror:
                     self._cond.wait()
                 if self._stop:
                     return
-                self._dirty = False
+                self._dirty, self._busy = False, True
                 target = self._wanted
             try:
                 whole = self._pass()
+            except _Stopped:
+                return
             except RemoteStoreError as e:
                 if self._store is None or self._foreign:  # no filesystem, or another run's: retrying cannot help
-                    log.error("lowdiff: the run is not mirrored: %s", e)
+                    self._say(logging.ERROR, "lowdiff: the run is not mirrored: %s", e)
                     with self._cond:
                         self._dead = True
                         self._cond.notify_all()
@@ -134,11 +146,12 @@ class Mirror:
                 continue
             backoff = BACKOFF_S[0]
             if self._failing is not None:
-                log.warning("lowdiff: %s answers again; the mirror is catching up", self.url)
+                self._say(logging.WARNING, "lowdiff: %s answers again; the mirror is catching up", self.url)
                 self._failing = None
             assert self._remote is not None
             reached = min(target, reach(self._remote))
             with self._cond:
+                self._busy = False
                 if not whole:
                     self._dirty = True  # a file went while uploading (retention): list again at once
                 elif reached < target and not self._stop:
@@ -153,20 +166,23 @@ class Mirror:
                     if self._done >= self._wanted and not self._dirty:
                         self.stats.remote_behind_since = 0.0
                         if self._lag_warned:
-                            log.warning("lowdiff: the mirror to %s has caught up (step %d)", self.url, self._done)
+                            self._say(logging.WARNING, "lowdiff: the mirror to %s has caught up (step %d)", self.url,
+                                      self._done)
                         self._lag_warned = False
                 self._cond.notify_all()
+                if self._stop:
+                    return
             self._check_lag()
             self.on_progress()
 
     def _retry_after(self, e: BaseException, backoff: float) -> float:
         what = f"{type(e).__name__}: {e}"
         if self._failing is None:
-            log.warning("lowdiff: uploading to %s failed (%s); retrying with backoff, training goes on and the "
-                        "files wait on the local disk", self.url, what)
+            self._say(logging.WARNING, "lowdiff: uploading to %s failed (%s); retrying with backoff, training goes on "
+                      "and the files wait on the local disk", self.url, what)
         self._failing = what
         with self._cond:
-            self._dirty = True
+            self._dirty, self._busy = True, False
             if not self._stop:
                 self._cond.wait(backoff)
         self._check_lag()
@@ -175,10 +191,25 @@ class Mirror:
     def _check_lag(self) -> None:
         since = self.stats.remote_behind_since
         if since and not self._lag_warned and time.time() - since > self.lag_warn_s:
-            self._lag_warned = True
-            log.warning("lowdiff: the mirror to %s is %.0f s behind (remote-durable step %d, local %d); a loss of "
-                        "this machine now loses the steps after %d%s", self.url, time.time() - since, self._done,
-                        self._wanted, self._done, f" (last error: {self._failing})" if self._failing else "")
+            self._lag_warned = self._say(
+                logging.WARNING, "lowdiff: the mirror to %s is %.0f s behind (remote-durable step %d, local %d); a "
+                "loss of this machine now loses the steps after %d%s", self.url, time.time() - since, self._done,
+                self._wanted, self._done, f" (last error: {self._failing})" if self._failing else "")
+
+    def _say(self, level: int, msg: str, *args: Any) -> bool:
+        """Log, unless close() has stopped the mirror (under the lock close() stops it with: never after it
+        returned). Whether it was logged."""
+        with self._cond:
+            if self._stop:
+                return False
+            log.log(level, msg, *args)
+            return True
+
+    def _go(self) -> None:
+        """Before each upload, deletion and record: raise :class:`_Stopped` once close() has stopped the mirror."""
+        with self._cond:
+            if self._stop:
+                raise _Stopped
 
     def _pass(self) -> bool:
         """One pass (the module's docstring); False when a listed file vanished before its upload."""
@@ -196,6 +227,7 @@ class Mirror:
         self.stats.remote_lag_bytes = sum(local[n][0] for n in todo)
         whole = True
         for name in todo:
+            self._go()
             try:
                 store.put(self.root / name, name)
             except FileNotFoundError:
@@ -208,15 +240,18 @@ class Mirror:
         if not whole:
             return False
         if MANIFEST in local and self._record.get(MANIFEST) != local[MANIFEST]:
+            self._go()
             store.put(self.root / MANIFEST, MANIFEST)
             self._uploaded(MANIFEST, local[MANIFEST])
         # Only what this run directory put there (or pulled from there): never a name it does not know
         for name in sorted((self._remote & set(self._record)) - set(local), key=step_key):
             if name == MANIFEST:
                 continue
+            self._go()
             store.rm(name)
             self._remote.discard(name)
             self._record.pop(name, None)
+        self._go()
         write_record(self.root, self.url, self._record)
         return True
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -130,3 +132,56 @@ def test_an_upload_to_a_hung_store_is_abandoned_within_the_bound(tmp_path: Path,
     assert time.monotonic() - t0 < FAST_BOUND_S
     assert failed and isinstance(failed[0], lowdiff.RemoteStoreError), failed
     assert "s3://hung-bucket/run" in str(failed[0]) and "no answer" in str(failed[0])
+
+
+@contextlib.contextmanager
+def own_server() -> Iterator[Any]:
+    """An S3 server of the test's own (stopping the session's would stall the other tests); AWS_ENDPOINT_URL
+    points at it meanwhile."""
+    from s3server import start_server, stop_server
+
+    server = start_server()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_ENDPOINT_URL", server.endpoint)
+            yield server
+    finally:
+        if server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+            stop_server(server)
+
+
+def wait_remote_durable(opt: lowdiff.LowDiffOptimizer, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (opt.stats.remote_durable_step == opt.stats.durable_step and opt.stats.remote_lag_steps == 0):
+        assert time.monotonic() < deadline, f"the mirror did not catch up: {opt.stats}"
+        time.sleep(0.1)
+
+
+def test_the_mirror_stops_at_close(tmp_path: Path, s3_env: None, caplog: pytest.LogCaptureFixture) -> None:
+    """log.persistence: thread, the store hangs (SIGSTOP), close() gives up after remote.close_timeout_s: once it
+    has returned, the mirror neither uploads (beyond the upload it was in) nor logs, even when the store answers
+    again (it went on with the pass, warned about its lag and uploaded a snapshot)."""
+    with own_server() as server:
+        url = f"s3://{server.new_bucket()}/run"
+        prefix = url[len("s3://"):]
+        t = wrap(replace(BASE, remote_url=url, remote_close_timeout_s=1.0), tmp_path / "run")
+        t.train(1, 5)
+        t.opt.flush()
+        wait_remote_durable(t.opt)
+        before = set(server.fs().find(prefix))
+        caplog.set_level(logging.INFO, logger="lowdiff")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        t.train(6, 12)  # snapshot 7 and three segments wait for the store
+        t.opt.close()
+        said = len(caplog.records)
+        assert any("not remote-durable" in r.getMessage() for r in caplog.records)
+        record = (tmp_path / "run" / "mirror.json").stat().st_mtime_ns
+        time.sleep(3.0)  # past remote.lag_warn_s (3 s in the harness) since step 6 waits
+        os.kill(server.proc.pid, signal.SIGCONT)
+        time.sleep(5.0)  # the upload in flight ends; the old mirror went on with its pass, its record, its warning
+        late = [f"{r.name}: {r.getMessage()}" for r in caplog.records[said:]]
+        assert not late, late
+        after = set(server.fs().find(prefix))
+        assert len(after - before) <= 1, sorted(after - before)
+        assert (tmp_path / "run" / "mirror.json").stat().st_mtime_ns == record
