@@ -36,8 +36,8 @@ from typing import Any
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import MANIFEST
 from lowdiff._storage.manifest import read_manifest
-from lowdiff._storage.remote import Store, fetched_manifest, local_files, reach, read_record, step_key, write_record
-from lowdiff.errors import RemoteStoreError
+from lowdiff._storage.remote import Store, local_files, reach, read_record, remote_manifest, step_key, write_record
+from lowdiff.errors import CorruptFileError, RemoteStoreError
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +258,11 @@ class Mirror:
     def _check_same_run(self, store: Store) -> None:
         """Before the first upload: a prefix holding another run's manifest is never written to (the open checks
         it too, but a store that could not be listed then was not)."""
-        with fetched_manifest(store) as there:
-            theirs = read_manifest(there).run_id
+        try:
+            theirs = remote_manifest(store, self.root).run_id
+        except CorruptFileError as e:  # damaged: which run's is not known, so the prefix is not written to either
+            self._foreign = True
+            raise RemoteStoreError(str(e)) from e
         ours = read_manifest(self.root).run_id
         if theirs != ours:
             self._foreign = True

@@ -35,9 +35,9 @@ from lowdiff._storage.format import (
     parse_segment_name,
     parse_snapshot_name,
 )
-from lowdiff._storage.manifest import read_manifest
+from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.store_options import PUT_MIN_BYTES_PER_S, request_bound_s, s3_options
-from lowdiff.errors import RemoteStoreError
+from lowdiff.errors import CorruptFileError, LowDiffError, RemoteStoreError, RunDirNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -320,11 +320,10 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
                                "(AWS_ENDPOINT_URL, ...), or leave remote.url unset to train without the mirror") from e
     if MANIFEST not in remote:
         return False, f"{store.url} holds no run yet: the mirror uploads {root}"
+    theirs = remote_manifest(store, root)
     if not (root / MANIFEST).exists():
         pull(store, root)
         return True, f"{root} held no run: pulled the run from {store.url} (up to step {newest_step(remote)})"
-    with fetched_manifest(store) as there:
-        theirs = read_manifest(there)
     ours = read_manifest(root)
     if theirs.run_id != ours.run_id:
         raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "
@@ -350,6 +349,34 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
     why = (f"resumed the run since {root} was written" if history.descends(theirs.history, ours.history)
            else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
     return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
+
+
+def remote_manifest(store: Store, root: Path) -> Manifest:
+    """The manifest under ``store``'s prefix. A damaged one raises :class:`CorruptFileError` naming
+    the object's URL, whether the run in ``root`` (left as it is) is intact, and what to do."""
+    with fetched_manifest(store) as there:
+        try:
+            return read_manifest(there)
+        except CorruptFileError as e:
+            where = str(e).replace(str(there / MANIFEST), f"{store.url}/{MANIFEST}")
+            try:
+                read_manifest(root)
+            except RunDirNotFoundError:
+                raise CorruptFileError(
+                    f"{where}. The run in the bucket cannot be read, so nothing was pulled into {root}: restore that "
+                    "object from a copy of the run's manifest.json, or point remote.url at another prefix (or set "
+                    "it to null to train without the mirror)") from e
+            except LowDiffError:
+                pass  # the local manifest's own error comes where it is read
+            else:
+                raise CorruptFileError(
+                    f"{where}. The run in {root} is intact and was left as it is: if that prefix holds this run, "
+                    f"replace the object with a copy of {root / MANIFEST} or delete it (the mirror then uploads "
+                    "this run's), or set remote.url to null to train from the local run without the mirror") from e
+            raise CorruptFileError(where) from e
+        except LowDiffError as e:
+            name_remote(e, there, store.url)
+            raise
 
 
 @contextlib.contextmanager

@@ -185,3 +185,33 @@ def test_the_mirror_stops_at_close(tmp_path: Path, s3_env: None, caplog: pytest.
         after = set(server.fs().find(prefix))
         assert len(after - before) <= 1, sorted(after - before)
         assert (tmp_path / "run" / "mirror.json").stat().st_mtime_ns == record
+
+
+def test_a_damaged_manifest_in_the_bucket_is_named_by_its_url(tmp_path: Path, s3) -> None:
+    """The bucket's manifest.json truncated: wrap() refuses, naming that object by its URL (not the temporary
+    directory it was fetched into, already removed), saying whether the local run is intact and what to do; an
+    empty run directory gets nothing pulled into it."""
+    url = f"s3://{s3.new_bucket()}/run"
+    scenario = replace(BASE, remote_url=url)
+    t = wrap(scenario, tmp_path / "run")
+    t.train(1, 6)
+    t.opt.close()
+    fs, manifest = s3.fs(), f"{url[len('s3://'):]}/manifest.json"
+    fs.pipe(manifest, fs.cat(manifest)[:40])
+    with pytest.raises(lowdiff.CorruptFileError) as e:
+        wrap(scenario, tmp_path / "run")
+    said = str(e.value)
+    assert f"{url}/manifest.json: not valid JSON" in said and "lowdiff-remote-" not in said, said
+    assert f"{tmp_path / 'run'} is intact" in said and "remote.url to null" in said, said
+    with pytest.raises(lowdiff.CorruptFileError) as e:
+        wrap(scenario, tmp_path / "new")
+    said = str(e.value)
+    assert f"{url}/manifest.json" in said and "nothing was pulled" in said, said
+    assert not (tmp_path / "new" / "manifest.json").exists()
+    assert lowdiff.recover(tmp_path / "run").step == 6
+    fs.rm(manifest)  # what the message offers: the mirror then uploads the local run's manifest
+    t = wrap(scenario, tmp_path / "run")
+    assert t.opt.resume() == 6
+    t.train(7, 8)
+    t.opt.close()
+    assert lowdiff.recover(url).step == 8
