@@ -29,7 +29,8 @@ from lowdiff._storage.lock import wait_for_orphans
 from lowdiff._storage.log_reader import Chain, candidates_for, contested, contested_note
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
-from lowdiff._storage.remote import fetched, is_url, name_remote, needed
+from lowdiff._storage.remote import fetched, is_url, needed
+from lowdiff._storage.remote_names import naming_remote
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state
 from lowdiff.errors import (
@@ -216,16 +217,18 @@ def _recover_remote(url: str, storage_options: dict[str, Any] | None, step: int 
     """Recovery of a remote run: fetch what the step needs when nothing is damaged (lowdiff._storage.remote.needed)
     and recover from it; where that skipped or refused anything, fetch the whole run and recover from that, so an
     older snapshot can stand in for a damaged one exactly as on a local disk."""
+    said: set[str] = set()  # by both reads, under the files' URLs (lowdiff._storage.remote_names)
     for select in (lambda names: needed(names, step), None):
-        with fetched(url, storage_options, progress=progress is not None, select=select) as local:
+        with fetched(url, storage_options, progress=progress is not None, select=select) as local, \
+                naming_remote(local, url, log, said) as rename:
             try:
                 rec = recover_at(local)
             except LowDiffError as e:
                 if select is not None:
                     log.info("recovery: %s: %s; fetching the whole run", url, e)
                     continue
-                name_remote(e, local, url)
                 raise
+            rec.report.skipped = [rename(s) for s in rec.report.skipped]
             if select is None or not rec.report.skipped:
                 return rec
             log.info("recovery: %s: a file the step needs is damaged; fetching the whole run", url)

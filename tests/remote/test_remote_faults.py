@@ -215,3 +215,28 @@ def test_a_damaged_manifest_in_the_bucket_is_named_by_its_url(tmp_path: Path, s3
     t.train(7, 8)
     t.opt.close()
     assert lowdiff.recover(url).step == 8
+
+
+def test_recovery_names_the_damaged_objects_by_their_urls(tmp_path: Path, s3,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A truncated snapshot and a foreign segment in the bucket: recover(url) steps around them and says so, in
+    report.skipped, summary() and its warnings, by their URLs (not the temporary directory they were fetched into,
+    removed by then), each warning once although the run is fetched twice."""
+    url = f"s3://{s3.new_bucket()}/run"
+    t = wrap(replace(BASE, remote_url=url), tmp_path / "run")
+    t.train(1, 16)
+    t.opt.close()
+    fs, prefix = s3.fs(), url[len("s3://"):]
+    newest = f"{prefix}/snapshots/step-0000000014.h5"
+    fs.pipe(newest, fs.cat(newest)[:1000])
+    fs.pipe(f"{prefix}/log/steps-0000000017-0000000018.h5", fs.cat(f"{prefix}/log/steps-0000000001-0000000003.h5"))
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    rec = lowdiff.recover(url)
+    assert rec.step == 16 and rec.report.snapshot_step == 7
+    texts = [*rec.report.skipped, rec.report.summary(), *(r.getMessage() for r in caplog.records)]
+    assert not [s for s in texts if "lowdiff-remote-" in s], texts
+    assert any(f"{url}/snapshots/step-0000000014.h5: " in s for s in rec.report.skipped), rec.report.skipped
+    assert any(f"{url}/log/steps-0000000017-0000000018.h5: " in s for s in rec.report.skipped), rec.report.skipped
+    assert f"skipped: {url}/snapshots/step-0000000014.h5" in rec.report.summary()
+    warned = [r.getMessage() for r in caplog.records if "stepping around" in r.getMessage()]
+    assert len(warned) == len(set(warned)) == 2, warned
