@@ -18,7 +18,8 @@ at its start uploaded makes the step durable when it started *remote-durable*, o
 committed). A failing or hanging store never
 reaches training: the pass is retried with backoff (0.5 s to 30 s), a warning says once when the lag passes
 ``remote.lag_warn_s``, and the next pass uploads whatever is current then. What was uploaded is recorded in
-``RUN_DIR/mirror.json`` (lowdiff._storage.remote), so a restarted mirror uploads only what is missing.
+``RUN_DIR/mirror.json`` (lowdiff._storage.remote), so a restarted mirror uploads only what is missing, and its
+remote-durable step starts where the files recorded there reach (:func:`uploaded_reach`), not at -1.
 
 :meth:`Mirror.close` stops it: once it has returned no upload or deletion starts and nothing is logged (an upload
 still running in a hung store may finish; nothing follows it, not even the record).
@@ -47,6 +48,15 @@ INCOMPLETE_WAIT_S = 0.5
 """How long a pass that found another rank's shard of a file set missing waits before it looks again."""
 
 
+def uploaded_reach(record: Mapping[str, tuple[int, int]], here: Mapping[str, tuple[int, int]]) -> int:
+    """The step that the files a mirror recorded as uploaded (``mirror.json``: the manifest among them) reach, of
+    those unchanged ``here`` since (or gone from here: retention; the bucket keeps them until a newer snapshot is
+    up): where a restarted mirror's remote-durable step starts (-1: nothing known)."""
+    if MANIFEST not in record:
+        return -1
+    return reach(n for n, stat in record.items() if n != MANIFEST and here.get(n, stat) == stat)
+
+
 class _Stopped(Exception):
     """close() stopped the mirror between two uploads."""
 
@@ -68,7 +78,7 @@ class Mirror:
         self._cond = threading.Condition()
         self._wanted = durable_step
         self._dirty = True  # the first pass uploads what an earlier process left
-        self._done = -1
+        self._done = min(durable_step, uploaded_reach(read_record(self.root, self.url), local_files(self.root)))
         self._stop = False
         self._busy = False  # a pass is running: close() waits for it even where it uploads nothing newer
         self._dead = False  # a permanent failure (no filesystem for the URL): mirroring is off
@@ -78,7 +88,7 @@ class Mirror:
         self._store: Store | None = None
         self._remote: set[str] | None = None
         self._record: dict[str, tuple[int, int]] = {}
-        stats.remote_durable_step = -1
+        stats.remote_durable_step = self._done
         stats.remote_behind_since = time.time()
         self._thread = threading.Thread(target=self._run, name="lowdiff-mirror", daemon=True)
         self._thread.start()
@@ -222,6 +232,9 @@ class Mirror:
                 self._check_same_run(store)
             self._remote = remote
             self._record = {n: v for n, v in read_record(self.root, self.url).items() if n in self._remote}
+            with self._cond:  # the starting point, of what the record says went up and the bucket still holds
+                self._done = min(self._done, uploaded_reach(self._record, local_files(self.root)))
+                self.stats.remote_durable_step = self._done
         local = local_files(self.root)
         todo = sorted((n for n in local if n != MANIFEST and self._record.get(n) != local[n]), key=step_key)
         self.stats.remote_lag_bytes = sum(local[n][0] for n in todo)

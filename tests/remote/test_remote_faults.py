@@ -240,3 +240,28 @@ def test_recovery_names_the_damaged_objects_by_their_urls(tmp_path: Path, s3,
     assert f"skipped: {url}/snapshots/step-0000000014.h5" in rec.report.summary()
     warned = [r.getMessage() for r in caplog.records if "stepping around" in r.getMessage()]
     assert len(warned) == len(set(warned)) == 2, warned
+
+
+def test_a_restarted_mirror_starts_from_what_it_uploaded(tmp_path: Path, s3_env: None,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Steps 0-5 went up, then the store went away: a trainer resuming the local run starts its remote-durable step
+    at 5 (mirror.json's record), so its lag warning and close() name the steps after 5, not every step from 0."""
+    from s3server import stop_server
+
+    with own_server() as server:
+        url = f"s3://{server.new_bucket()}/run"
+        scenario = replace(BASE, remote_url=url, remote_close_timeout_s=1.0)
+        t = wrap(scenario, tmp_path / "run")
+        t.train(1, 5)
+        t.opt.close()
+        stop_server(server)
+        caplog.set_level(logging.WARNING, logger="lowdiff")
+        t = wrap(scenario, tmp_path / "run", FAST)
+        assert t.opt.resume() == 5
+        assert t.opt.stats.remote_durable_step == 5
+        t.train(6, 8)
+        time.sleep(4.0)  # past remote.lag_warn_s (3 s in the harness)
+        t.opt.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert [s for s in said if "behind (remote-durable step 5, local" in s and "steps after 5" in s], said
+    assert [s for s in said if "steps 6 to 8 are not remote-durable" in s], said

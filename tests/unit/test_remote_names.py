@@ -41,3 +41,16 @@ def test_needed_is_the_newest_snapshot_at_or_before_the_step_and_what_follows() 
     assert needed(names, None) == {snap(14), seg(15, 16), "stops/step-0000000016.h5"}
     assert needed(names, 9) == {snap(7), seg(8, 10), seg(11, 14), seg(15, 16), "stops/step-0000000016.h5"}
     assert needed([seg(1, 3)], None) == {seg(1, 3)}  # no snapshot: everything, and the readers say what is wrong
+
+
+def test_a_restarted_mirror_starts_where_its_record_reaches() -> None:
+    from lowdiff._persist.mirror import uploaded_reach
+
+    record = {"manifest.json": (10, 1), snap(0): (50, 1), seg(1, 3): (9, 1), seg(4, 5): (9, 1)}
+    here = {"manifest.json": (11, 2), snap(0): (50, 1), seg(1, 3): (9, 1), seg(4, 5): (9, 1), seg(6, 8): (9, 1)}
+    assert uploaded_reach(record, here) == 5  # the manifest changed since (a resume): its older copy is up
+    assert uploaded_reach(record, {**here, seg(4, 5): (9, 2)}) == 3  # rewritten since: not known to be up
+    assert uploaded_reach({n: v for n, v in record.items() if n != "manifest.json"}, here) == -1  # no manifest up
+    assert uploaded_reach({n: v for n, v in record.items() if n != snap(0)}, here) == -1  # no snapshot up
+    # Retention deleted snapshot 0 here after snapshot 7 went up: the bucket keeps what the record says.
+    assert uploaded_reach({**record, snap(7): (50, 1)}, {n: v for n, v in here.items() if n != snap(0)}) == 7
