@@ -83,6 +83,7 @@ class Mirror:
         self._busy = False  # a pass is running: close() waits for it even where it uploads nothing newer
         self._dead = False  # a permanent failure (no filesystem for the URL): mirroring is off
         self._foreign = False  # the prefix holds another run's manifest: never written to
+        self._run_id: str | None = None  # this run's, read from its manifest once
         self._failing: str | None = None
         self._lag_warned = False
         self._store: Store | None = None
@@ -235,6 +236,8 @@ class Mirror:
             with self._cond:  # the starting point, of what the record says went up and the bucket still holds
                 self._done = min(self._done, uploaded_reach(self._record, local_files(self.root)))
                 self.stats.remote_durable_step = self._done
+        elif MANIFEST in self._record:
+            self._still_ours(store)  # another trainer started on the same empty prefix may have taken it since
         local = local_files(self.root)
         todo = sorted((n for n in local if n != MANIFEST and self._record.get(n) != local[n]), key=step_key)
         self.stats.remote_lag_bytes = sum(local[n][0] for n in todo)
@@ -254,6 +257,7 @@ class Mirror:
             return False
         if MANIFEST in local and self._record.get(MANIFEST) != local[MANIFEST]:
             self._go()
+            self._still_ours(store)  # never over another run's manifest that went up since the listing
             store.put(self.root / MANIFEST, MANIFEST)
             self._uploaded(MANIFEST, local[MANIFEST])
         # Only what this run directory put there (or pulled from there): never a name it does not know
@@ -276,11 +280,30 @@ class Mirror:
         except CorruptFileError as e:  # damaged: which run's is not known, so the prefix is not written to either
             self._foreign = True
             raise RemoteStoreError(str(e)) from e
-        ours = read_manifest(self.root).run_id
+        if self._run_id is None:
+            self._run_id = read_manifest(self.root).run_id
+        ours = self._run_id
         if theirs != ours:
             self._foreign = True
             raise RemoteStoreError(f"{self.url} holds another run (run id {theirs}) than {self.root} (run id "
                                    f"{ours}): nothing is uploaded there; point remote.url at this run's prefix")
+
+    def _still_ours(self, store: Store) -> None:
+        """The manifest under the prefix, if there is one, is this run's. Two trainers started at once on one empty
+        prefix (a job launched twice) both found it empty at ``wrap()``; the second whose manifest would go up, or
+        that finds the other's there at its next pass, stops mirroring (:meth:`_check_same_run`) instead of both
+        reporting steps as remote-durable under a prefix that holds one run. Files either uploaded before its
+        manifest went up may have replaced the other's of the same name (snapshot 0); the error says so."""
+        try:
+            self._check_same_run(store)
+        except FileNotFoundError:
+            self._record.pop(MANIFEST, None)  # ours is gone (deleted by hand): it goes up again
+        except RemoteStoreError as e:
+            if not self._foreign:
+                raise
+            raise RemoteStoreError(f"{e}. Another trainer mirrors to that prefix too (both started on it while it was "
+                                   "empty); files this run uploaded before it noticed may have replaced that run's of "
+                                   "the same name there") from e
 
     def _uploaded(self, name: str, stat: tuple[int, int]) -> None:
         assert self._remote is not None

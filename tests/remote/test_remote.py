@@ -3,6 +3,7 @@ resumed, from the bucket alone, exactly."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -382,6 +383,37 @@ def test_a_resume_since_the_other_side_was_written_wins_over_a_higher_step(tmp_p
     t3.opt.close()
     assert list((tmp_path / "stale" / "quarantine").glob("replaced-by-remote-*"))
     assert_state_equal(new_history.model, new_history.optimizer, lowdiff.recover(url))
+
+
+def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """Two trainers started at once on one empty prefix both found it empty at ``wrap()``. Once the other's manifest
+    is there (put here as its mirror puts it), this one's next pass stops mirroring with an error naming both runs:
+    it neither overwrites that manifest nor goes on reporting steps as remote-durable under a prefix holding
+    another run."""
+    import logging
+
+    url = f"s3://{s3.new_bucket()}/run"
+    t = start(replace(BASE, persistence="thread", remote_url=url), tmp_path / "a")
+    t.train(1, 4)
+    t.opt.flush()
+    before = wait_remote_durable(t.opt).remote_durable_step
+    train_run(replace(BASE, persistence="thread"), tmp_path / "other", 2)
+    other_id = lowdiff.inspect(tmp_path / "other").manifest.run_id
+    s3.fs().put_file(str(tmp_path / "other" / "manifest.json"), f"{url[len('s3://'):]}/manifest.json")
+
+    caplog.set_level(logging.ERROR, logger="lowdiff")
+    t.train(5, 12)
+    t.opt.flush()
+    deadline = time.monotonic() + 60
+    while not any("not mirrored" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.1)
+    said = next(r.getMessage() for r in caplog.records if "not mirrored" in r.getMessage())
+    assert other_id in said and "Another trainer mirrors to that prefix too" in said
+    assert t.opt.stats.remote_durable_step == before
+    t.opt.close()
+    got = json.loads(s3.fs().cat(f"{url[len('s3://'):]}/manifest.json"))
+    assert got["run_id"] == other_id  # the other run's manifest stands
 
 
 def test_close_names_the_steps_not_in_the_bucket(tmp_path: Path, s3_env, caplog: pytest.LogCaptureFixture) -> None:
