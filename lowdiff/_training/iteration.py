@@ -13,8 +13,8 @@ and lowdiff holds it (:class:`IterationEnd`) until it sees the next iteration:
 
 Then the tracked state and every group's hyperparameters (what the next step starts from) are taken and the record
 goes to the checkpointer. An iteration interrupted by an exception is not logged (``close(interrupted=True)``): its
-end state is unknown, and a resume redoes it; unless the loop had made its end calls before the exception (every
-object tracked at the end, or ``opt.end_iteration()``).
+end state is unknown (the exception may have come in an evaluation whose random draws a resumed run would not
+repeat), and a resume redoes it.
 
 Data loaders and samplers are the exception: the next iteration draws its batch from them *before* its
 ``opt.step()``, so their state is taken inside ``opt.step()`` (``at="step"``; by default for anything iterable).
@@ -229,36 +229,39 @@ class IterationEnd:
         self.read = ScalarReader()
         """Tensors' values (a GPU learning rate, a GradScaler's scale) copied without waiting, read by the writer."""
         self._end_read = False  # the held iteration's end state was read at its end calls (copies to reuse)
-        self._end_complete = False  # every object tracked at the end has made its call (or opt.end_iteration())
         self.groups = GroupEncoder(self.read)
         """The optimizer's groups encoded (shared with ``opt.step()``, which encodes them as a step begins)."""
 
     def hold(self, pending: Pending) -> None:
         assert self.pending is None, "the previous iteration was not sealed"
-        self.pending, self._end_read, self._end_complete = pending, False, False
+        self.pending, self._end_read = pending, False
         self._called = set()
         self.checkpointer.on_hold(pending.record, keep_if_orphaned=self.end_free())
 
     def end_call(self, obj: Any) -> None:
-        """A tracked object's end-of-iteration call (``sched.step()``, ``scaler.update()``) has run; ``obj`` None:
-        the loop says it has made the iteration's last change to tracked objects (``opt.end_iteration()``). Once
-        every object tracked at the end has made its call, the held iteration's end state is known before the
-        iteration formally ends (at the next ``opt.step()``): it goes to the persistence process, which then commits
-        the iteration even if the trainer dies first (a crash loses no step whose ``opt.step()`` returned), and an
-        exception from here on no longer drops the iteration (:meth:`drop`)."""
+        """A tracked object's end-of-iteration call (``sched.step()``, ``scaler.update()``) has run. Once every
+        object tracked at the end has made its call, the held iteration's end state is known before the iteration
+        formally ends (at the next ``opt.step()``): it goes to the persistence process, which then commits the
+        iteration even if the trainer dies first (a crash loses no step whose ``opt.step()`` returned)."""
         p = self.pending
-        if p is None:
+        if p is None or not self.checkpointer.wants_end_known:  # the writer thread takes records at their end only
             return
+        self._called.add(id(obj))
         at_end = [(n, o) for n, (o, kind) in self.tracker.objects.items() if kind == AT_END]
-        if obj is None:
-            self._called.update(id(o) for _, o in at_end)
-        else:
-            self._called.add(id(obj))
-            if not all(n in self.tracker.end_seen and id(o) in self._called for n, o in at_end):
-                return
-        self._end_complete = True
-        if not self.checkpointer.wants_end_known:  # the writer thread takes records at their end only
+        if not all(n in self.tracker.end_seen and id(o) in self._called for n, o in at_end):
             return
+        self._end_known(p)
+
+    def end_all(self) -> None:
+        """The loop says it has made the held iteration's last change to tracked objects (``opt.end_iteration()``):
+        as if every object tracked at the end had made its call."""
+        p = self.pending
+        if p is None or not self.checkpointer.wants_end_known:
+            return
+        self._called.update(id(o) for o, kind in self.tracker.objects.values() if kind == AT_END)
+        self._end_known(p)
+
+    def _end_known(self, p: Pending) -> None:
         self.read.fresh()
         self._end_read = True
         try:
@@ -316,15 +319,17 @@ class IterationEnd:
         return rec.step
 
     def drop(self) -> int | None:
-        """The held iteration was interrupted: its record is not logged (a resume redoes the iteration), unless its
-        end state is known: nothing is tracked at the end of an iteration (its opt.step() returned with the
-        iteration's whole state), or every object tracked at the end has made its call (the exception came after
-        the loop's ``sched.step()``). Then it is logged, as a SIGKILL at the same moment would leave it."""
-        if self.pending is not None and (self.end_free() or self._end_complete):
+        """The held iteration was interrupted: its record is not logged (a resume redoes the iteration), unless
+        nothing is tracked at the end of an iteration: then its opt.step() returned with the iteration's whole
+        state, and it is logged (a crash loses no step whose opt.step() returned)."""
+        if self.pending is not None and self.end_free():
+            step = self.pending.record.item.step
             try:
                 return self.seal(strict=False)
             except Exception as e:  # its end cannot be logged (a hyperparameter): dropped as interrupted
-                log.error("lowdiff: the end of iteration %d cannot be logged (%s)", self.pending.record.item.step, e)
+                if self.pending is None:  # sealed: the checkpointer took it and then failed (its error stands)
+                    raise
+                log.error("lowdiff: the end of iteration %d cannot be logged (%s)", step, e)
         p, self.pending = self.pending, None
         if p is None:
             return None

@@ -111,15 +111,16 @@ def _close(checkpointer: Checkpointer, layerwise: LayerwiseCapture | None, itera
         checkpointer.close()
 
 
-def hook_scaler_update(on_update: Callable[[Callable[[Any], Any], Any], Any], scaler: Any) -> None:
-    """Route a tracked GradScaler's ``update()`` through ``on_update(update, new_scale)``, a method of the wrapper
-    (an instance attribute, as LR schedulers patch ``optimizer.step``); the scaler holds the wrapper weakly."""
-    ref = weakref.WeakMethod(on_update)
-    update = scaler.update
+def hook_scaler_update(on_update: Callable[[Callable[[Any], Any], Any, Any], Any], scaler: Any) -> None:
+    """Route a tracked GradScaler's ``update()`` through ``on_update(update, new_scale, scaler)``, a method of the
+    wrapper (an instance attribute, as LR schedulers patch ``optimizer.step``); the scaler holds the wrapper
+    weakly."""
+    ref, scaler_ref = weakref.WeakMethod(on_update), weakref.ref(scaler)
+    update = scaler.update  # another wrapper's lowdiff_update where two track one scaler (a GAN's)
 
     def lowdiff_update(new_scale: Any = None) -> Any:
         handler = ref()
-        return update(new_scale) if handler is None else handler(update, new_scale)
+        return update(new_scale) if handler is None else handler(update, new_scale, scaler_ref())
 
     scaler.update = lowdiff_update
 

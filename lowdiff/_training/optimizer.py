@@ -166,10 +166,10 @@ class LowDiffOptimizer(torch.optim.Optimizer):
     def end_iteration(self) -> None:
         """Optional: the loop has made this iteration's last change to objects tracked at its end (a counter of its
         own; schedulers' and GradScalers' calls are seen without it). Its end state as it is now goes to the
-        persistence process, so a trainer dying before the next ``opt.step()`` loses nothing, and an exception
-        until then no longer drops the iteration. The next ``opt.step()`` still takes the state again. No wait."""
+        persistence process, so a trainer killed before the next ``opt.step()`` loses nothing. The next
+        ``opt.step()`` still takes the state again (an exception before it drops the iteration). No wait."""
         if self._run.iteration is not None:
-            self._run.iteration.end_call(None)
+            self._run.iteration.end_all()
 
     def _end_iteration(self) -> None:
         if self._run.iteration is not None:
@@ -359,14 +359,14 @@ class LowDiffOptimizer(torch.optim.Optimizer):
             block_s = time.perf_counter() - t_snap
         self._run.iteration.hold(Pending(record, snapshot, block_s, apply_s))
 
-    def _scaler_update(self, update: Callable[[Any], Any], new_scale: Any) -> Any:
+    def _scaler_update(self, update: Callable[[Any], Any], new_scale: Any, scaler: Any) -> Any:
         """A tracked GradScaler's ``update()``. In an iteration without an optimizer step (the scaler found inf or
         NaN gradients) the previous iteration has ended before it, and this one is logged as a step without
         gradients, so step numbers count iterations."""
         if self._loop.stepped:
             out = update(new_scale)
             self._loop.stepped = False
-            self._end_call(getattr(update, "__self__", None))
+            self._end_call(scaler)
             return out
         self._check_usable()
         if self._loop.step0 is not None:
@@ -386,7 +386,7 @@ class LowDiffOptimizer(torch.optim.Optimizer):
         self._loop.step = step
         if self._loop.memory_step == step - 1:  # the memory of the skipped iteration is still the last step's
             self._loop.memory_step = step
-        self._end_call(getattr(update, "__self__", None))  # this iteration's update() has run (before its hold)
+        self._end_call(scaler)  # this iteration's update() has run (before its hold)
         return out
 
 

@@ -76,9 +76,11 @@ class _LoopCalls(TrainerCallback):
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The step's iteration has made its end calls (the Trainer's scheduler, which lowdiff tracks through a
-        stand-in whose ``step()`` it does not see): a persistence process keeps it if the trainer dies now."""
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The previous step's iteration is over: its scheduler step (which lowdiff does not see: the scheduler is
+        tracked through a stand-in), and the logging, evaluation, plateau scheduler step and saving the Trainer does
+        after ``on_step_end``. A persistence process keeps it if the trainer dies from here on (in this step's
+        forward and backward passes, say). Called first among the callbacks, before any of the program's."""
         if self.trainer.optimizer is not None:
             lowdiff_optimizer(self.trainer.optimizer).end_iteration()
 
@@ -119,7 +121,7 @@ class LowDiffTrainer(Trainer):
         self._lowdiff_dir: str | None = None
         self._lowdiff_rng: dict[str, Any] = {}
         self._lowdiff_groups: list[dict[str, Any]] = []
-        self.add_callback(_LoopCalls(self))
+        self.callback_handler.callbacks.insert(0, _LoopCalls(self))
 
     @property
     def lowdiff_optimizer(self) -> LowDiffOptimizer:

@@ -120,9 +120,9 @@ def test_trainer_crash_resume_is_exact(tmp_path: Path, own_scheduler: bool) -> N
     with pytest.raises(Crash):
         train(tmp_path, "run", own_scheduler=own_scheduler, crash_at=7)
     got = train(tmp_path, "run", own_scheduler=own_scheduler)
-    # The crash came in step 8's on_step_begin, after step 7's on_step_end: step 7's iteration had ended (its
-    # scheduler step included), so it is kept, as a SIGKILL at that moment keeps it.
-    assert got.lowdiff_start == 7
+    # The crash came before step 8's optimizer step: an exception drops the iteration in progress (step 7's), and
+    # the resume redoes it.
+    assert got.lowdiff_start == 6
     assert_same_end(ref, got)
 
 
@@ -135,8 +135,9 @@ t.train(Path(sys.argv[1]), "run", own_scheduler=True, kill_at=7)
 
 
 def test_a_trainer_killed_after_a_steps_end_keeps_that_step(tmp_path: Path) -> None:
-    """SIGKILL as step 8 begins: step 7's iteration ended at its on_step_end (the Trainer's scheduler had
-    stepped), and the persistence process, told so then, keeps it; the resume continues from step 7, exactly."""
+    """SIGKILL as step 8 begins: step 7's iteration had ended (its scheduler step, logging, evaluation and saving
+    are done once the next step begins), the persistence process was told so then, and keeps it; the resume
+    continues from step 7, exactly."""
     ref = train(tmp_path, "ref", own_scheduler=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[2])])}
     proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], env=env, timeout=300,
@@ -164,7 +165,7 @@ def test_evaluation_every_few_steps_resumes_exactly(tmp_path: Path, crash_at: in
     with pytest.raises(Crash):
         train(tmp_path, "run", own_scheduler=True, crash_at=crash_at, eval_every=2)
     got = train(tmp_path, "run", own_scheduler=True, eval_every=2)
-    assert got.lowdiff_start == crash_at
+    assert got.lowdiff_start == crash_at - 1
     assert_same_end(ref, got)
 
 
