@@ -57,12 +57,17 @@ def at_step(history: History, step: int) -> str | None:
 
 
 def descends(newer: History, older: History) -> bool:
-    """Whether ``newer`` is ``older`` resumed since, once or more: ``older``'s current branch is one ``newer`` went
-    through and left (every history went through the first one). Neither descends from the other when both resumed
-    on their own (two machines), or when ``newer`` went back past the start of ``older``'s current branch."""
-    if current(newer) == current(older):
-        return False
-    return current(older) is None or current(older) in {b for b, _ in newer}
+    """Whether ``newer`` is ``older`` resumed since, once or more. Each resume keeps the entries up to its step and
+    appends its own (:func:`resumed`), so the first entry of ``newer`` that ``older`` lacks is a resume since,
+    and what comes before it is exactly ``older``'s entries up to that resume's step, also when that resume went
+    back past the start of ``older``'s current branch (and dropped it). Not when both resumed on their own, except
+    where no history can tell that from one resume going back past the other's start (the earlier step counts as
+    the later resume)."""
+    known = {tuple(e) for e in older}
+    for i, (branch, step) in enumerate(newer):
+        if (branch, step) not in known:
+            return [tuple(e) for e in newer[:i]] == [tuple(e) for e in older if e[1] <= step]
+    return False
 
 
 def resumed(history: History, branch: str, step: int) -> History:

@@ -349,16 +349,19 @@ def test_the_newer_of_local_and_remote_wins(tmp_path: Path, s3, caplog: pytest.L
 
 def test_a_resume_since_the_other_side_was_written_wins_over_a_higher_step(tmp_path: Path, s3,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """Steps 1-20 go to the bucket; then, with the mirror off (the store down), the machine resumes at snapshot 14
-    and trains the new history to 19. The bucket's file names reach step 20, of the history that resume went back
-    from: the local run is kept, not replaced by it. A stale copy of the run from before that resume (also up to
-    step 20) meets the bucket once the mirror has caught up: the bucket resumed since, and is pulled."""
+    """Steps 1-20 go to the bucket, and a restart (a resume at step 20, which starts a branch) too; then, with the
+    mirror off (the store down), the machine resumes at snapshot 14, going back past that branch's start, and
+    trains the new history to 19. The bucket's file names reach step 20, of the history that resume went back from:
+    the local run is kept, not replaced by it. A stale copy of the run from before that resume (also up to step 20)
+    meets the bucket once the mirror has caught up: the bucket resumed since, and is pulled."""
     import logging
 
     url = f"s3://{s3.new_bucket()}/run"
     mirrored = replace(BASE, persistence="thread", remote_url=url)
     t = start(mirrored, tmp_path / "a")
     t.train(1, 20)
+    t.opt.close()
+    t = start(mirrored, tmp_path / "a")  # resumes at 20: a branch of its own, in the bucket's manifest too
     t.opt.flush()
     wait_remote_durable(t.opt)
     t.opt.close()
