@@ -299,7 +299,7 @@ class Mirror:
         except FileNotFoundError:
             self._record.pop(MANIFEST, None)  # ours is gone (deleted by hand): it goes up again
         except RemoteStoreError as e:
-            if not self._foreign:
+            if not self._foreign or isinstance(e.__cause__, CorruptFileError):  # a damaged one: no other trainer
                 raise
             raise RemoteStoreError(f"{e}. Another trainer mirrors to that prefix too (both started on it while it was "
                                    "empty); files this run uploaded before it noticed may have replaced that run's of "

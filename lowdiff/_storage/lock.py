@@ -176,13 +176,13 @@ def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], 
     once if it has to wait; after ``timeout_s`` it raises :class:`RunLockedError`. With ``refuse_live_trainer``,
     a persistence process whose trainer is alive (it holds the writer lock: a job started twice on one run
     directory) is refused at once instead of waited for; a job's ranks other than the one that takes the lock pass
-    False (the lock may be their own job's by then). A run directory this process holds open for writing (its
-    persistence process is this process's own: ``lowdiff.compact()`` beside the script's open wrapper) is refused at
-    once."""
+    False (the lock may be their own job's by then). A run directory this process holds open for writing (any
+    persistence process there is this process's own: ``lowdiff.compact()`` beside the script's open wrapper) is
+    refused at once, as :class:`WriterLock` refuses it."""
     with _held_guard:
         if os.path.realpath(run_dir / LOCK_FILE) in _held:
-            raise RunLockedError(f"{run_dir} is open for writing in this process (pid {os.getpid()}), by a lowdiff "
-                                 "optimizer whose persistence process is this process's own; close() it first")
+            raise RunLockedError(f"{run_dir} is already open for writing in this process (pid {os.getpid()}); "
+                                 "close() the other wrapper first or use another run_dir")
     deadline = None
     for path in sorted(run_dir.glob(PERSIST_LOCK_GLOB)):
         try:

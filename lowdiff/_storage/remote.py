@@ -371,8 +371,9 @@ def remote_manifest(store: Store, root: Path) -> Manifest:
             else:
                 raise CorruptFileError(
                     f"{where}. The run in {root} is intact and was left as it is: if that prefix holds this run, "
-                    f"replace the object with a copy of {root / MANIFEST} or delete it (the mirror then uploads "
-                    "this run's), or set remote.url to null to train from the local run without the mirror") from e
+                    f"replace the object with a copy of {root / MANIFEST} or delete it (the mirror of the next "
+                    "wrap() on this run directory then uploads this run's), or set remote.url to null to train from "
+                    "the local run without the mirror") from e
             raise CorruptFileError(where) from e
         except LowDiffError as e:
             name_remote(e, there, store.url)

@@ -41,7 +41,7 @@ def test_compact_beside_this_processs_open_wrapper_is_refused_at_once(tmp_path: 
 
     t = train_run(replace(SCENARIO, persistence=persistence), tmp_path / "run", 3, close=False)
     try:
-        with pytest.raises(lowdiff.RunLockedError, match="open for writing in this process"):
+        with pytest.raises(lowdiff.RunLockedError, match="already open for writing in this process"):
             lowdiff.compact(tmp_path / "run")
     finally:
         t.opt.close()
