@@ -23,6 +23,12 @@ _held: set[str] = set()
 _held_guard = threading.Lock()
 
 
+def _open_here(run_dir: Path) -> bool:
+    """Whether this process holds ``run_dir``'s writer lock (a wrapper of its own has the run open)."""
+    with _held_guard:
+        return os.path.realpath(run_dir / LOCK_FILE) in _held
+
+
 class WriterLock:
     """A POSIX record lock (``lockf``) on RUN_DIR/writer.lock. The kernel drops it when the holder dies, so a
     crashed trainer's lock is simply taken over, and, unlike ``flock``, forked children (DataLoader workers
@@ -128,9 +134,8 @@ def live_trainer(run_dir: Path) -> str | None:
     it is yet. A lock of this process's own is not looked at (closing a second descriptor of the file would drop
     it: POSIX record locks belong to the process)."""
     path = run_dir / LOCK_FILE
-    with _held_guard:
-        if os.path.realpath(path) in _held:
-            return None
+    if _open_here(run_dir):
+        return None
     if not path.is_file():
         return None
     try:
@@ -179,10 +184,9 @@ def wait_for_persistence(run_dir: Path, timeout_s: float, on_wait: Callable[[], 
     False (the lock may be their own job's by then). A run directory this process holds open for writing (any
     persistence process there is this process's own: ``lowdiff.compact()`` beside the script's open wrapper) is
     refused at once, as :class:`WriterLock` refuses it."""
-    with _held_guard:
-        if os.path.realpath(run_dir / LOCK_FILE) in _held:
-            raise RunLockedError(f"{run_dir} is already open for writing in this process (pid {os.getpid()}); "
-                                 "close() the other wrapper first or use another run_dir")
+    if _open_here(run_dir):
+        raise RunLockedError(f"{run_dir} is already open for writing in this process (pid {os.getpid()}); "
+                             "close() the other wrapper first or use another run_dir")
     deadline = None
     for path in sorted(run_dir.glob(PERSIST_LOCK_GLOB)):
         try:
@@ -219,9 +223,8 @@ def wait_for_orphans(run_dir: Path, timeout_s: float, on_wait: Callable[[], None
     what it was handed, so the reader sees every step it will commit; a live trainer's is not waited for (a live
     run is read as it stands). False when one was still committing after ``timeout_s`` (the run is then read as it
     is now); True at once when the locks cannot be looked at (a copy this user may not write)."""
-    with _held_guard:
-        if os.path.realpath(run_dir / LOCK_FILE) in _held:
-            return True  # this process is the trainer (opt.resume()): its persistence processes are live
+    if _open_here(run_dir):
+        return True  # this process is the trainer (opt.resume()): its persistence processes are live
     if not any(run_dir.glob(PERSIST_LOCK_GLOB)) or live_trainer(run_dir) is not None:
         return True
     try:
