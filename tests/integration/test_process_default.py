@@ -22,7 +22,7 @@ import lowdiff
 HERE = Path(__file__).parent
 CHILD = HERE / "quickstart_child.py"
 STEPS = 60
-KILLS = 20 if SLOW else 8
+KILLS = 20 if SLOW else 6
 """Kills at random moments, each in a run of its own (LOWDIFF_SLOW=1: more)."""
 DATA_WAIT_S = 0.02
 """Each iteration waits this long for its batch: a kill lands before or after the next opt.step() alike."""
