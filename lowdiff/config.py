@@ -186,7 +186,7 @@ class TunerConfig:
 
     def __post_init__(self) -> None:
         _check_number("tuner.mtbf_hours", self.mtbf_hours, lambda v: 0 < v < float("inf"),
-                      "a number of hours > 0")
+                      "a finite number of hours > 0")
         _check_number("tuner.max_overhead", self.max_overhead, lambda v: 0 < v < 1, "a fraction in (0, 1)")
         if self.max_log_bytes is not None:
             _check_min_int("tuner.max_log_bytes", self.max_log_bytes, 0)
