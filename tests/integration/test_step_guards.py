@@ -184,19 +184,36 @@ def one_scaled_step(opt: Any, model: torch.nn.Module, sched: Any, scaler: Any, i
         sched.step()
 
 
+def announce_end(opt: Any, count: Count, watch: SyncWatch | None = None) -> None:
+    """The loop's own counter changed, then ``opt.end_iteration()`` (as LowDiffTrainer calls it every step); with
+    ``watch``, the call is watched (on a GPU with ``set_sync_debug_mode("error")`` too)."""
+    count.n += 1
+    with ExitStack() as stack:
+        if watch is not None:
+            stack.enter_context(watch)
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+                stack.callback(torch.cuda.set_sync_debug_mode, 0)
+        opt.end_iteration()
+
+
+@pytest.mark.parametrize("announced", [False, True], ids=["end-calls", "and-end_iteration"])
 @pytest.mark.parametrize("persistence", ["thread", "process"])
 def test_a_device_learning_rate_changed_every_step_and_a_grad_scaler_are_not_read_back(
-        tmp_path: Path, persistence: str) -> None:
+        tmp_path: Path, persistence: str, announced: bool) -> None:
     """Their values are copied to host memory without waiting and read by the writer (lowdiff._transfer.scalars):
     ``.item()`` here (a ``state_dict()`` of the scaler, the encoding of the ``lr``) would make the host wait for the
-    device at the end of every iteration."""
-    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence)
+    device at the end of every iteration. ``announced``: a counter of the loop's own tracked too, its end said by
+    ``opt.end_iteration()``, which reads the same values."""
+    count = Count() if announced else None
+    opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence, count)
     watch = SyncWatch(DEVICE)
     with opt:
-        for it in range(1, WARMUP + 1):
-            one_scaled_step(opt, model, sched, scaler, it)
-        for it in range(WARMUP + 1, WARMUP + STEPS + 1):
-            one_scaled_step(opt, model, sched, scaler, it, watch)
+        for it in range(1, WARMUP + STEPS + 1):
+            on = watch if it > WARMUP else None
+            one_scaled_step(opt, model, sched, scaler, it, on)
+            if count is not None:
+                announce_end(opt, count, on)
     assert not watch.found, dict(watch.found)
 
 
@@ -260,14 +277,16 @@ def test_steady_steps_do_not_wait_for_copies(tmp_path: Path, compressor: str, pe
         assert torch.equal(v, got[k].detach().cpu()), k
 
 
-@pytest.mark.parametrize("counted", [False, True], ids=["end-calls-seen", "an-end-object-unseen"])
+@pytest.mark.parametrize("counted", [None, "unseen", "announced"],
+                         ids=["end-calls-seen", "an-end-object-unseen", "an-end-object-announced"])
 @pytest.mark.parametrize("persistence", ["thread", "process"])
-def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persistence: str, counted: bool) -> None:
+def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persistence: str, counted: str | None
+                                                        ) -> None:
     """The copies of a scheduler's device ``lr`` and of a GradScaler's scale complete only once the next step has
     begun: the end of an iteration goes to the persistence process then (not waited for at ``sched.step()``), and
     the log holds the values they had. With an object tracked at the end whose end call lowdiff does not see, the
-    end state is known only when the next ``opt.step()`` seals the iteration: its copies, made then, are not waited
-    for either (the seal goes with the next message)."""
+    end state is known only when the next ``opt.step()`` seals the iteration, or when the loop says so with
+    ``opt.end_iteration()``: its copies, made then, are not waited for either."""
     InFlight.clock, InFlight.waits, InFlight.thread = 0, Counter(), threading.get_ident()
     count = Count() if counted else None
     opt, model, sched, scaler = wrapped_scaled(tmp_path, persistence, count)
@@ -277,7 +296,9 @@ def test_end_state_still_being_copied_is_not_waited_for(tmp_path: Path, persiste
                 InFlight.waits.clear()
             InFlight.clock = it
             one_scaled_step(opt, model, sched, scaler, it)
-            if count is not None:
+            if count is not None and counted == "announced":
+                announce_end(opt, count)
+            elif count is not None:
                 count.n += 1
         waits = dict(InFlight.waits)
     assert waits == {}, waits
