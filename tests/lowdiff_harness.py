@@ -203,9 +203,12 @@ class Scenario:
     remote_url: str | None = None
     """``remote.url``: the run mirrored to this URL (tests/remote)."""
     remote_close_timeout_s: float = 60.0
+    remote_storage_options: dict[str, Any] | None = None
+    """``remote.storage_options`` (tests/remote: another endpoint, other timeouts)."""
 
     def config(self, run_dir: str | Path) -> dict[str, Any]:
         remote = {"remote": {"url": self.remote_url, "close_timeout_s": self.remote_close_timeout_s,
+                             "storage_options": self.remote_storage_options or {},
                              "lag_warn_s": 3.0}} if self.remote_url else {}
         return {**remote,
             "run_dir": str(run_dir),

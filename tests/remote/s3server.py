@@ -9,9 +9,12 @@ import importlib.util
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -69,3 +72,66 @@ def start_server() -> S3Server:
 def stop_server(server: S3Server) -> None:
     server.proc.kill()
     server.proc.wait(timeout=30)
+
+
+class HeldUploads:
+    """A TCP relay in front of an S3 endpoint that holds back every upload (an HTTP ``PUT``) until
+    :meth:`release`: the request stays in flight, unseen by the store, as a slow network would leave it; everything
+    else passes at once. ``held`` is set once the first upload is held."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit("//", 1)[1].rsplit(":", 1)
+        self._target = (host, int(port))
+        self._server = socket.socket()
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.held = threading.Event()
+        self._released = threading.Event()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        self._released.set()
+        self._server.close()
+        for c in self._conns:
+            c.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client = self._server.accept()[0]
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            self._conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_store: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if to_store and b"PUT /" in data and not self._released.is_set():
+                    self.held.set()
+                    self._released.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+@contextmanager
+def held_uploads(server: S3Server) -> Iterator[HeldUploads]:
+    relay = HeldUploads(server.endpoint)
+    try:
+        yield relay
+    finally:
+        relay.close()
