@@ -4,7 +4,8 @@ to object storage, the manifest last (docs/guide/durability.md, docs/reference/d
 It runs where the writer runs: in the persistence process (``log.persistence: process``, so it outlives a dead
 trainer and finishes the uploads of what was committed before that process exits) or beside the writer thread;
 never on the training thread. The writer calls :meth:`Mirror.kick` after each commit with its durable step; the
-mirror then makes one *pass*:
+mirror then makes one *pass* (the first, on a prefix holding no manifest, claims it for this run before anything
+goes up: lowdiff._storage.remote_claim):
 
 1. every committed snapshot, segment and stop file not uploaded yet (or changed), oldest step first;
 2. the manifest, when it changed;
@@ -38,6 +39,7 @@ from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import MANIFEST
 from lowdiff._storage.manifest import read_manifest
 from lowdiff._storage.remote import Store, local_files, reach, read_record, remote_manifest, step_key, write_record
+from lowdiff._storage.remote_claim import claim, other_run
 from lowdiff.errors import CorruptFileError, RemoteStoreError
 
 log = logging.getLogger(__name__)
@@ -231,6 +233,8 @@ class Mirror:
             remote = set(store.list())
             if MANIFEST in remote:
                 self._check_same_run(store)
+            else:
+                self._claim(store)
             self._remote = remote
             self._record = {n: v for n, v in read_record(self.root, self.url).items() if n in self._remote}
             with self._cond:  # the starting point, of what the record says went up and the bucket still holds
@@ -280,20 +284,41 @@ class Mirror:
         except CorruptFileError as e:  # damaged: which run's is not known, so the prefix is not written to either
             self._foreign = True
             raise RemoteStoreError(str(e)) from e
-        if self._run_id is None:
-            self._run_id = read_manifest(self.root).run_id
-        ours = self._run_id
+        ours = self._ours()
         if theirs != ours:
             self._foreign = True
             raise RemoteStoreError(f"{self.url} holds another run (run id {theirs}) than {self.root} (run id "
                                    f"{ours}): nothing is uploaded there; point remote.url at this run's prefix")
 
+    def _claim(self, store: Store) -> None:
+        """Before the first upload to a prefix holding no manifest: claim it for this run, or stop where another
+        run's trainer claimed it first (a job launched twice; lowdiff._storage.remote_claim)."""
+        ours = self._ours()
+        if ours is None:
+            return  # a run written before run ids: nothing tells two runs apart
+        try:
+            there = claim(store, ours)
+        except CorruptFileError as e:  # which run's is not known, so the prefix is not written to
+            self._foreign = True
+            raise RemoteStoreError(str(e)) from e
+        if there.run_id != ours:
+            self._foreign = True
+            raise other_run(store, there, self.root, ours)
+
+    def _ours(self) -> str | None:
+        """This run's id, read from its manifest once."""
+        if self._run_id is None:
+            self._run_id = read_manifest(self.root).run_id
+        return self._run_id
+
     def _still_ours(self, store: Store) -> None:
         """The manifest under the prefix, if there is one, is this run's. Two trainers started at once on one empty
-        prefix (a job launched twice) both found it empty at ``wrap()``; the second whose manifest would go up, or
-        that finds the other's there at its next pass, stops mirroring (:meth:`_check_same_run`) instead of both
-        reporting steps as remote-durable under a prefix that holds one run. Files either uploaded before its
-        manifest went up may have replaced the other's of the same name (snapshot 0); the error says so."""
+        prefix (a job launched twice) both found it empty at ``wrap()``; the claim (:meth:`_claim`) lets only one
+        of them upload. On a store that ignores the claim's condition both may have: the second whose manifest
+        would go up, or that finds the other's there at its next pass, stops mirroring (:meth:`_check_same_run`)
+        instead of both reporting steps as remote-durable under a prefix that holds one run. Files either uploaded
+        before its manifest went up may have replaced the other's of the same name (snapshot 0); the error says
+        so."""
         try:
             self._check_same_run(store)
         except FileNotFoundError:
@@ -302,8 +327,9 @@ class Mirror:
             if not self._foreign or isinstance(e.__cause__, CorruptFileError):  # a damaged one: no other trainer
                 raise
             raise RemoteStoreError(f"{e}. Another trainer mirrors to that prefix too (both started on it while it was "
-                                   "empty); files this run uploaded before it noticed may have replaced that run's of "
-                                   "the same name there") from e
+                                   "empty, and the prefix's claim did not keep one out: a store that ignores "
+                                   "conditional writes, or a lowdiff without claims); files this run uploaded before "
+                                   "it noticed may have replaced that run's of the same name there") from e
 
     def _uploaded(self, name: str, stat: tuple[int, int]) -> None:
         assert self._remote is not None

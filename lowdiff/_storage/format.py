@@ -19,10 +19,11 @@ from lowdiff.errors import CorruptFileError, UnsupportedError
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 2  # 2: metadata-CRC trailer on every HDF5 file (version 1 files had none)
-FORMAT_MINOR = 5  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
+FORMAT_MINOR = 6  # 2.1: run id in every file, files name their shard; 2.2: end-of-iteration state, per-rank state;
 # 2.3: sharded (fully_shard) layouts in the manifest; 2.4: the run's history (branches) in the manifest and files;
-# 2.5: the compressor memory a clean stop saves (stops/)
+# 2.5: the compressor memory a clean stop saves (stops/); 2.6: a mirrored prefix's claim (claim.json)
 MANIFEST = "manifest.json"
+CLAIM = "claim.json"  # under a mirrored run's prefix only, never in a run directory (lowdiff._storage.remote_claim)
 SNAPSHOT_DIR = "snapshots"
 LOG_DIR = "log"
 STOP_DIR = "stops"

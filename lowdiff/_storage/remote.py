@@ -1,8 +1,9 @@
 """A run directory mirrored in object storage, as the storage layer sees it (``remote.url``; docs/guide/durability.md).
 
 The remote prefix holds the run directory's committed files under the same relative names: ``manifest.json``,
-``snapshots/step-*.h5``, ``log/steps-*.h5``, ``stops/step-*.h5`` (FORMAT.md section 1). Nothing else of the run
-goes up (no locks, no ``*.tmp``, no quarantine), and nothing else found under the prefix is ever read or deleted.
+``snapshots/step-*.h5``, ``log/steps-*.h5``, ``stops/step-*.h5`` (FORMAT.md section 1), and the prefix's claim
+(``claim.json``: lowdiff._storage.remote_claim). Nothing else of the run goes up (no locks, no ``*.tmp``, no
+quarantine), and nothing else found under the prefix is ever read or deleted.
 An object store makes each object visible whole or not at all; on a file system (``file://``) each upload goes to
 ``NAME.tmp`` and is renamed. The mirror itself (which files go up when) is lowdiff/_persist/mirror.py; this module
 is what it and the readers share: the :class:`Store`, the names, :func:`pull` (a remote run into a local directory,
@@ -36,6 +37,7 @@ from lowdiff._storage.format import (
     parse_snapshot_name,
 )
 from lowdiff._storage.manifest import Manifest, read_manifest
+from lowdiff._storage.remote_claim import refuse_claimed
 from lowdiff._storage.store_options import PUT_MIN_BYTES_PER_S, request_bound_s, s3_options
 from lowdiff.errors import CorruptFileError, LowDiffError, RemoteStoreError, RunDirNotFoundError
 
@@ -307,8 +309,9 @@ def name_remote(e: BaseException, local: Path, url: str) -> None:
 def reconcile(root: Path, store: Store) -> tuple[bool, str]:
     """Before a trainer opens ``root`` (holding its writer lock) with a remote: where only the remote holds the run
     (a new machine), pull it; where both hold it, the newer wins (the older local files are moved to
-    ``quarantine/``, never deleted); a remote holding another run is refused. Returns whether both held the run
-    or the remote's was pulled (the user is told which is used), and what was done."""
+    ``quarantine/``, never deleted); a remote holding (or, without a manifest, claimed by) another run is refused.
+    Returns whether both held the run or the remote's was pulled (the user is told which is used), and what was
+    done."""
     try:
         remote = store.list()
     except Exception as e:
@@ -319,6 +322,7 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
                                "replace one the store holds. Fix the store's endpoint or credentials "
                                "(AWS_ENDPOINT_URL, ...), or leave remote.url unset to train without the mirror") from e
     if MANIFEST not in remote:
+        refuse_claimed(store, root)  # another trainer started on the empty prefix first (a job launched twice)
         return False, f"{store.url} holds no run yet: the mirror uploads {root}"
     theirs = remote_manifest(store, root)
     if not (root / MANIFEST).exists():

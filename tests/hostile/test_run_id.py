@@ -34,7 +34,7 @@ def test_every_file_names_the_run_and_its_shard(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train_run(Scenario(compressor="topk", ratio=0.5), run, 7)
     m = read_manifest(run)
-    assert m.run_id is not None and len(m.run_id) == 32 and m.format_minor == 5
+    assert m.run_id is not None and len(m.run_id) == 32 and m.format_minor == 6
     metas = _metas(run)
     assert len(metas) >= 4 and all(meta["run_id"] == m.run_id and meta["shard"] == [0, 1] for meta in metas)
     seg = [meta for meta in metas if "first_step" in meta]

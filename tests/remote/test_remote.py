@@ -60,7 +60,7 @@ def test_recover_from_the_bucket_alone(tmp_path: Path, s3, reference, compressor
     assert_state_equal(*reference[compressor].refs[STEPS], rec)
     # Only what step 20 needs came down: the snapshot of step 14 and the log after it, not snapshots 0 and 7.
     fetches = [r.getMessage() for r in caplog.records if "fetched" in r.getMessage()]
-    in_bucket = len(s3.fs().find(url[len("s3://"):]))
+    in_bucket = len([n for n in s3.fs().find(url[len("s3://"):]) if not n.endswith("/claim.json")])
     assert len(fetches) == 1, fetches
     assert int(fetches[0].split("fetched ")[1].split()[0]) < in_bucket - 2, (in_bucket, fetches)
     older = lowdiff.recover(url, step=STEPS - 5)
@@ -261,9 +261,9 @@ def test_an_empty_prefix_is_no_run(s3) -> None:
 
 
 def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
-    """snapshot.keep: 2: the bucket ends with exactly the local run's files (old snapshots and their log deleted
-    there too, each after the newer snapshot went up). Credentials given in remote.storage_options are used and
-    written nowhere: not in the run directory, not in the bucket."""
+    """snapshot.keep: 2: the bucket ends with exactly the local run's files and the prefix's claim (old snapshots
+    and their log deleted there too, each after the newer snapshot went up). Credentials given in
+    remote.storage_options are used and written nowhere: not in the run directory, not in the bucket."""
     import lowdiff_harness
 
     url = f"s3://{s3.new_bucket()}/kept"
@@ -282,7 +282,7 @@ def test_retention_reaches_the_bucket(tmp_path: Path, s3) -> None:
              for p in (tmp_path / "run" / sub).iterdir()} | {"manifest.json"}
     prefix = url[len("s3://"):]
     remote = {p[len(prefix) + 1:] for p in s3.fs().find(prefix)}
-    assert remote == local
+    assert remote == local | {"claim.json"}  # and the prefix's claim (FORMAT.md section 1)
     assert len([n for n in remote if n.startswith("snapshots/")]) == 2
     assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not [n for n in s3.fs().find(prefix) if secret.encode() in s3.fs().cat(n)]
@@ -417,6 +417,128 @@ def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, cap
     t.opt.close()
     got = json.loads(s3.fs().cat(f"{url[len('s3://'):]}/manifest.json"))
     assert got["run_id"] == other_id  # the other run's manifest stands
+
+
+def _run_files(root: Path) -> dict[str, bytes]:
+    """The run's files the mirror carries, ``name: bytes``, under a local run directory or a fetched prefix."""
+    files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.h5"))
+             if p.parent.name in ("snapshots", "log", "stops")}
+    return files | {"manifest.json": (root / "manifest.json").read_bytes()}
+
+
+def test_two_trainers_on_one_empty_prefix(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """A job launched twice: both trainers find the prefix empty at ``wrap()``. The first one's first upload is
+    held in flight (a slow network) while the second wraps, trains and mirrors; once it reaches the store, it
+    replaces nothing of the second run: that mirror stops before uploading anything, with an error naming both
+    runs and the URL, and the bucket holds the second run alone, recovered exactly."""
+    import logging
+
+    from s3server import held_uploads
+
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix = url[len("s3://"):]
+    caplog.set_level(logging.ERROR, logger="lowdiff")
+    with held_uploads(s3) as relay:
+        slow = {"client_kwargs": {"endpoint_url": relay.endpoint}, "config_kwargs": {"read_timeout": 120}}
+        a = start(replace(BASE, persistence="thread", remote_url=url, remote_storage_options=slow,
+                          remote_close_timeout_s=5.0), tmp_path / "a")
+        assert relay.held.wait(60), "the first trainer's mirror uploaded nothing"
+        b = start(replace(BASE, persistence="thread", remote_url=url, seed=11), tmp_path / "b")
+        b.train(1, 8)
+        b.opt.flush()
+        wait_remote_durable(b.opt)
+        mine = _run_files(tmp_path / "b")
+        relay.release()
+        a.train(1, 8)
+        a.opt.flush()
+        deadline = time.monotonic() + 60
+        while not any("not mirrored" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+        a_durable = a.opt.stats.remote_durable_step
+        a.opt.close()
+    b.opt.close()
+    fs = s3.fs()
+    got = tmp_path / "bucket"
+    fs.get(prefix, str(got), recursive=True)
+    assert _run_files(got) == _run_files(tmp_path / "b") and set(_run_files(got)) >= set(mine)
+    rec = lowdiff.recover(url)
+    assert rec.step == 8
+    assert_state_equal(*b.refs[8], rec)
+    a_id = lowdiff.inspect(tmp_path / "a").manifest.run_id
+    b_id = lowdiff.inspect(tmp_path / "b").manifest.run_id
+    said = next(r.getMessage() for r in caplog.records if "not mirrored" in r.getMessage())
+    assert a_id in said and b_id in said and url in said and "is claimed by another run" in said, said
+    assert a_durable == -1
+    assert json.loads(fs.cat(f"{prefix}/claim.json"))["run_id"] == b_id
+
+
+def test_a_prefix_claimed_by_another_run_is_refused_at_wrap(tmp_path: Path, s3) -> None:
+    """A prefix holding no manifest but another run's claim (its trainer started there first and has not uploaded
+    its manifest yet, or stopped before it did): wrap() refuses it for a new run and for another local run, naming
+    both runs, the URL and the claim to delete; the run the claim names goes on there (a restart), and once the
+    claim is deleted the prefix is free again. A damaged claim is refused by its URL. The claim is no run file:
+    recovery from the bucket neither fetches nor minds it."""
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix, fs = url[len("s3://"):], s3.fs()
+    other = "0123456789abcdef" * 2
+    fs.pipe(f"{prefix}/claim.json", json.dumps({"run_id": other, "by": "pid 7 on elsewhere"}).encode())
+    scenario = replace(BASE, persistence="thread", remote_url=url)
+    with pytest.raises(lowdiff.RemoteStoreError) as e:
+        start(scenario, tmp_path / "new")
+    said = str(e.value)
+    assert f"is claimed by another run (run id {other}, pid 7 on elsewhere)" in said and url in said, said
+    assert f"delete {url}/claim.json" in said, said
+    train_run(replace(BASE, persistence="thread"), tmp_path / "mine", 3)
+    mine = lowdiff.inspect(tmp_path / "mine").manifest.run_id
+    with pytest.raises(lowdiff.RemoteStoreError, match=f"run id {other}.* than .*run id {mine}"):
+        start(scenario, tmp_path / "mine")
+    assert not fs.find(f"{prefix}/snapshots")
+
+    fs.pipe(f"{prefix}/claim.json", json.dumps({"run_id": mine}).encode())  # the run in "mine" claimed it
+    t = start(scenario, tmp_path / "mine")
+    t.train(4, 6)
+    t.opt.close()
+    assert lowdiff.recover(url).step == 6
+    assert json.loads(fs.cat(f"{prefix}/claim.json")) == {"run_id": mine}  # left as it is
+
+    fs.pipe(f"{prefix}/claim.json", b"{not json")
+    fs.rm(f"{prefix}/manifest.json")
+    with pytest.raises(lowdiff.CorruptFileError, match=f"{url}/claim.json: not valid JSON"):
+        start(scenario, tmp_path / "new")
+    fs.rm(f"{prefix}/claim.json")  # what the message offers
+    t = train_run(scenario, tmp_path / "new", 2, close=False)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    new = lowdiff.inspect(tmp_path / "new").manifest.run_id
+    assert json.loads(fs.cat(f"{prefix}/claim.json"))["run_id"] == new
+    assert lowdiff.recover(url).step == 2
+
+
+def test_a_file_prefix_is_claimed_too(tmp_path: Path) -> None:
+    """A ``file://`` prefix is claimed as a bucket's (a hard link, which fails where the claim exists): the first
+    run's mirror claims it, a second run's wrap() is refused, the claim never goes into a run directory."""
+    pytest.importorskip("fsspec")
+    url = f"file://{tmp_path / 'store'}"
+    t = train_run(replace(BASE, persistence="thread", remote_url=url), tmp_path / "a", 3, close=False)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    a_id = lowdiff.inspect(tmp_path / "a").manifest.run_id
+    assert json.loads((tmp_path / "store" / "claim.json").read_text())["run_id"] == a_id
+    assert not list((tmp_path / "store").glob("*.tmp")) and not (tmp_path / "a" / "claim.json").exists()
+    (tmp_path / "store" / "manifest.json").unlink()  # as if its manifest had not gone up yet
+    with pytest.raises(lowdiff.RemoteStoreError, match=f"run id {a_id}"):
+        start(replace(BASE, persistence="thread", remote_url=url), tmp_path / "b")
+    t = start(replace(BASE, persistence="thread", remote_url=url), tmp_path / "a")  # the same run: a restart
+    t.train(4, 5)
+    t.opt.close()
+    assert lowdiff.recover(url).step == 5
+    t = start(replace(BASE, persistence="thread", remote_url=url), tmp_path / "c")  # a new machine: pulled
+    assert t.opt.stats.durable_step == 5
+    t.opt.close()
+    assert not (tmp_path / "c" / "claim.json").exists()
 
 
 def test_close_names_the_steps_not_in_the_bucket(tmp_path: Path, s3_env, caplog: pytest.LogCaptureFixture) -> None:

@@ -3,6 +3,7 @@ shards), recovered exactly from the bucket alone."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -39,6 +40,8 @@ def test_run_mirrored_and_recovered_from_the_bucket(tmp_path: Path, s3, worker: 
     shutil.rmtree(tmp_path / "run")  # the machine is lost
     names = s3.fs().find(url[len("s3://"):])
     assert any(".shard-00001-of-00002" in n for n in names), names  # rank 1's shards went up too
+    claim = json.loads(s3.fs().cat(f"{url[len('s3://'):]}/claim.json"))  # rank 0's mirror claimed the prefix
+    assert claim["run_id"] == lowdiff.inspect(url).manifest.run_id
     for step, model_sd, optim_sd in refs[-3:]:
         rec = lowdiff.recover(url, step=step)
         assert set(rec.model) == set(model_sd)
