@@ -8,7 +8,7 @@ An object store makes each object visible whole or not at all; on a file system 
 ``NAME.tmp`` and is renamed. The mirror itself (which files go up when) is lowdiff/_persist/mirror.py; this module
 is what it and the readers share: the :class:`Store`, the names, :func:`pull` (a remote run into a local directory,
 which recovery then reads with every local check) and the local record of what was uploaded (``mirror.json``, never
-uploaded).
+uploaded). Local against remote at ``wrap()`` is lowdiff/_storage/reconcile.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lowdiff._storage import history
 from lowdiff._storage.atomic import write_json_atomic
 from lowdiff._storage.format import (
     LOG_DIR,
@@ -37,7 +36,6 @@ from lowdiff._storage.format import (
     parse_snapshot_name,
 )
 from lowdiff._storage.manifest import Manifest, read_manifest
-from lowdiff._storage.remote_claim import refuse_claimed
 from lowdiff._storage.store_options import PUT_MIN_BYTES_PER_S, request_bound_s, s3_options
 from lowdiff.errors import CorruptFileError, LowDiffError, RemoteStoreError, RunDirNotFoundError
 
@@ -304,55 +302,6 @@ def name_remote(e: BaseException, local: Path, url: str) -> None:
     instead of the temporary directory (in place)."""
     if e.args and isinstance(e.args[0], str) and not isinstance(e, OSError):
         e.args = (e.args[0].replace(str(local), url.rstrip("/")), *e.args[1:])
-
-
-def reconcile(root: Path, store: Store) -> tuple[bool, str]:
-    """Before a trainer opens ``root`` (holding its writer lock) with a remote: where only the remote holds the run
-    (a new machine), pull it; where both hold it, the newer wins (the older local files are moved to
-    ``quarantine/``, never deleted); a remote holding (or, without a manifest, claimed by) another run is refused.
-    Returns whether both held the run or the remote's was pulled (the user is told which is used), and what was
-    done."""
-    try:
-        remote = store.list()
-    except Exception as e:
-        if (root / MANIFEST).exists():
-            return True, (f"cannot list {store.url} ({e}): resuming from {root}; the mirror uploads it once the "
-                          "store answers")
-        raise RemoteStoreError(f"cannot list {store.url} ({e}), and {root} holds no run: starting a new run could "
-                               "replace one the store holds. Fix the store's endpoint or credentials "
-                               "(AWS_ENDPOINT_URL, ...), or leave remote.url unset to train without the mirror") from e
-    if MANIFEST not in remote:
-        refuse_claimed(store, root)  # another trainer started on the empty prefix first (a job launched twice)
-        return False, f"{store.url} holds no run yet: the mirror uploads {root}"
-    theirs = remote_manifest(store, root)
-    if not (root / MANIFEST).exists():
-        pull(store, root)
-        return True, f"{root} held no run: pulled the run from {store.url} (up to step {newest_step(remote)})"
-    ours = read_manifest(root)
-    if theirs.run_id != ours.run_id:
-        raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "
-                               f"{ours.run_id}); point remote.url at this run's prefix or at an empty one")
-    local_step = newest_step(local_files(root))
-    remote_step = newest_step(remote)
-    # A resume is later than every step before it: the side that resumed since the other was written wins,
-    # whichever file names reach the higher step (the other's may be a history the resume went back from).
-    if history.descends(ours.history, theirs.history):
-        return True, (f"{root} resumed the run since {store.url} was last written: resuming from the local run "
-                      f"directory (up to step {local_step}; the store's files, up to step {remote_step}, are replaced "
-                      "by the mirror)")
-    if not history.descends(theirs.history, ours.history) and remote_step <= local_step:
-        return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step {remote_step}): "
-                "resuming from the local run directory")
-    aside = root / "quarantine" / f"replaced-by-remote-{int(time.time())}"
-    for name in local_files(root):
-        target = aside / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(root / name, target)
-    (root / RECORD).unlink(missing_ok=True)
-    pull(store, root)
-    why = (f"resumed the run since {root} was written" if history.descends(theirs.history, ours.history)
-           else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
-    return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
 
 
 def remote_manifest(store: Store, root: Path) -> Manifest:

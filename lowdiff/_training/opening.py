@@ -156,8 +156,9 @@ class Run:
 
     def _reconcile(self, run_dir: RunDir) -> None:
         """With ``remote.url``: an empty run directory (a new machine) gets the remote run; where both hold it, the
-        newer wins (lowdiff._storage.remote.reconcile)."""
-        from lowdiff._storage.remote import Store, reconcile
+        newer wins (lowdiff._storage.reconcile)."""
+        from lowdiff._storage.reconcile import reconcile
+        from lowdiff._storage.remote import Store
 
         rc = self.config.remote
         assert rc.url is not None
