@@ -2,20 +2,43 @@
 continues when its run directory, the remote prefix, or both hold the run. Where only the remote holds it (a new
 machine) it is pulled; where both hold it, the newer wins and the older local files are moved to ``quarantine/``,
 never deleted; a remote holding (or, without a manifest, claimed by) another run is refused.
+
+What the bucket reaches is judged by its complete file sets (:func:`~lowdiff._storage.remote.reach`), and a file
+holding a step after the local run's newest counts only once it has been fetched and read as recovery reads it
+(:func:`vouched_reach`): an object that is not the run's (another run's file, or anything named like one of its
+files) never makes the bucket look newer than a local run it would then replace.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from lowdiff._storage import history
-from lowdiff._storage.format import MANIFEST
+from lowdiff._storage.format import LOG_DIR, MANIFEST, SNAPSHOT_DIR, FileSet, list_segments, list_snapshots
+from lowdiff._storage.layout import for_files
 from lowdiff._storage.manifest import read_manifest
-from lowdiff._storage.remote import RECORD, Store, local_files, newest_step, pull, remote_manifest
+from lowdiff._storage.remote import (
+    RECORD,
+    Store,
+    local_files,
+    newest_step,
+    pull,
+    reach,
+    remote_manifest,
+    step_key,
+)
 from lowdiff._storage.remote_claim import refuse_claimed
-from lowdiff.errors import RemoteStoreError
+from lowdiff._storage.segment_reader import SegmentReader
+from lowdiff._storage.snapshot import read_snapshot
+from lowdiff.errors import LowDiffError, RemoteStoreError
+
+log = logging.getLogger(__name__)
 
 
 def reconcile(root: Path, store: Store) -> tuple[bool, str]:
@@ -39,22 +62,25 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
     theirs = remote_manifest(store, root)
     if not (root / MANIFEST).exists():
         pull(store, root)
-        return True, f"{root} held no run: pulled the run from {store.url} (up to step {newest_step(remote)})"
+        return True, f"{root} held no run: pulled the run from {store.url} (up to step {reach(remote)})"
     ours = read_manifest(root)
     if theirs.run_id != ours.run_id:
         raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "
                                f"{ours.run_id}); point remote.url at this run's prefix or at an empty one")
     local_step = newest_step(local_files(root))
-    remote_step = newest_step(remote)
     # A resume is later than every step before it: the side that resumed since the other was written wins,
     # whichever file names reach the higher step (the other's may be a history the resume went back from).
     if history.descends(ours.history, theirs.history):
         return True, (f"{root} resumed the run since {store.url} was last written: resuming from the local run "
-                      f"directory (up to step {local_step}; the store's files, up to step {remote_step}, are replaced "
-                      "by the mirror)")
-    if not history.descends(theirs.history, ours.history) and remote_step <= local_step:
-        return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step {remote_step}): "
-                "resuming from the local run directory")
+                      f"directory (up to step {local_step}; the store's files, up to step {newest_step(remote)}, are "
+                      "replaced by the mirror)")
+    resumed = history.descends(theirs.history, ours.history)
+    remote_step = reach(remote)
+    if not resumed:
+        remote_step = vouched_reach(store, remote, local_step)
+        if remote_step <= local_step:
+            return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step "
+                          f"{remote_step}): resuming from the local run directory")
     aside = root / "quarantine" / f"replaced-by-remote-{int(time.time())}"
     for name in local_files(root):
         target = aside / name
@@ -62,6 +88,46 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         os.replace(root / name, target)
     (root / RECORD).unlink(missing_ok=True)
     pull(store, root)
-    why = (f"resumed the run since {root} was written" if history.descends(theirs.history, ours.history)
+    why = (f"resumed the run since {root} was written" if resumed
            else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
     return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
+
+
+def vouched_reach(store: Store, remote: Mapping[str, int], above: int) -> int:
+    """The step the remote's files reach (:func:`~lowdiff._storage.remote.reach`), counting a file set that holds a
+    step after ``above`` (the local run's newest) only once it has been fetched and read as recovery reads it: it
+    names this run, a branch of the remote manifest's history and the steps its name says. Such sets come down
+    only where the names alone reach past ``above``."""
+    names = [n for n in remote if n != MANIFEST]
+    hoped = reach(names)
+    if hoped <= above:
+        return hoped
+    later = {n for n in names if n.split("/", 1)[0] in (SNAPSHOT_DIR, LOG_DIR) and above < step_key(n)[0] <= hoped}
+    tmp = Path(tempfile.mkdtemp(prefix="lowdiff-remote-"))
+    try:
+        pull(store, tmp, select=lambda listed: later & set(listed))
+        readable = _readable(tmp, store.url)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return reach([n for n in names if step_key(n)[0] <= above] + readable)
+
+
+def _readable(root: Path, url: str) -> list[str]:
+    """The names of the complete file sets in ``root`` (a part of the run at ``url``, fetched with its manifest)
+    that read as recovery reads them; each of the others is logged, named by its URL."""
+    manifest = read_manifest(root)
+    sets: list[tuple[FileSet, int | None, int | None]] = [(f, None, None) for f in list_snapshots(root).values()]
+    sets += [(files, first, last) for first, last, files in list_segments(root)]
+    out: list[str] = []
+    for files, first, last in sets:
+        try:
+            if first is None or last is None:
+                read_snapshot(files, for_files(manifest, files), only=set(), with_buffers=False)
+            else:
+                SegmentReader(files, for_files(manifest, files), first, last).close()
+        except LowDiffError as e:
+            log.warning("lowdiff: %s; not counted as a step the run in %s reaches", str(e).replace(str(root), url),
+                        url)
+            continue
+        out += [p.relative_to(root).as_posix() for p in files.paths]
+    return out

@@ -1,0 +1,54 @@
+"""What ``wrap()`` does with a remote when the local run directory holds the run too (reconcile: the newer wins)
+and something under the prefix misbehaves (tests/remote/conftest.py's real S3 server)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from lowdiff_harness import Scenario, assert_state_equal, start, train_run
+
+import lowdiff
+
+BASE = Scenario(model="mlp_bn", optimizer="adamw", groups=2, scheduler=False, compressor="topk", ratio=0.25,
+                batch_steps=3, every_steps=7, seed=3, persistence="thread")
+
+
+def _step_of(name: str) -> int:
+    """The last step a snapshot, segment or stop file holds, by its name."""
+    base = name.rsplit("/", 1)[-1].split(".")[0]  # step-0000000014, steps-0000000010-0000000012
+    return int(base.rsplit("-", 1)[-1])
+
+
+@pytest.mark.parametrize("stranger", ["log/steps-0000009000-0000009015.h5", "snapshots/step-0000009000.h5",
+                                      "log/steps-0000000010-0000009015.h5"])
+def test_a_foreign_object_named_like_the_runs_does_not_make_the_bucket_newer(tmp_path: Path, s3, stranger: str,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The bucket holds steps 0-9 of the run (the uploads after them never happened: deleted here), the local run
+    directory the same history up to step 20, and another run's segment lies under the prefix named like a later
+    file of this run. wrap() keeps the local run (nothing pulled, nothing quarantined) and the resume continues
+    from step 20; an object it read to judge the bucket is named by its URL."""
+    import logging
+
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix = url[len("s3://"):]
+    scenario = replace(BASE, remote_url=url)
+    t = train_run(scenario, tmp_path / "run", 20)
+    fs = s3.fs()
+    for path in fs.find(prefix):
+        name = path[len(prefix) + 1:]
+        if name != "manifest.json" and _step_of(name) > 10:
+            fs.rm(path)
+    train_run(replace(BASE, seed=11), tmp_path / "other", 3)
+    fs.put_file(str(tmp_path / "other" / "log" / "steps-0000000001-0000000003.h5"), f"{prefix}/{stranger}")
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    t2 = start(scenario, tmp_path / "run", resume=False)
+    assert t2.opt.resume() == 20, [r.getMessage() for r in caplog.records]
+    t2.opt.close()
+    assert not (tmp_path / "run" / "quarantine").exists()
+    assert_state_equal(*t.refs[20], lowdiff.recover(tmp_path / "run"))
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"{url}/{stranger}: " in m and "not counted" in m for m in said) == ("00010-" in stranger or
+                                                                                   "snapshots" in stranger), said
+    assert not [m for m in said if "lowdiff-remote-" in m], said
