@@ -1,12 +1,18 @@
 """Local against remote at ``wrap()`` (``remote.url``; docs/guide/durability.md): which copy of the run a trainer
-continues when its run directory, the remote prefix, or both hold the run. Where only the remote holds it (a new
-machine) it is pulled; where both hold it, the newer wins and the older local files are moved to ``quarantine/``,
-never deleted; a remote holding (or, without a manifest, claimed by) another run is refused.
+continues when its run directory, the remote prefix, or both hold the run.
 
-What the bucket reaches is judged by its complete file sets (:func:`~lowdiff._storage.remote.reach`), and a file
-holding a step after the local run's newest counts only once it has been fetched and read as recovery reads it
-(:func:`vouched_reach`): an object that is not the run's (another run's file, or anything named like one of its
-files) never makes the bucket look newer than a local run it would then replace.
+Where only the remote holds it (a new machine) it is pulled; where both hold it, the newer wins and the older
+local files are moved to ``quarantine/``, never deleted; a remote holding (or, without a manifest, claimed by)
+another run is refused. Two rules keep that sound against what else a bucket may hold and against a store that
+fails meanwhile:
+
+- **What the bucket reaches** is judged by its complete file sets (:func:`~lowdiff._storage.remote.reach`), and a
+  file holding a step after the local run's newest counts only once it has been fetched and read as recovery reads
+  it (:func:`vouched_reach`): an object that is not the run's (another run's file, or anything named like one of
+  its files) never makes the bucket look newer than a local run it would then replace.
+- **A pull** goes into ``RUN_DIR/.pulling-*/`` first (:func:`pull_in`); only once it is whole are the local files
+  moved aside and the pulled ones moved in (renames on one file system). A pull that fails leaves the run
+  directory as it was, and the error says so and what to do.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from lowdiff.errors import LowDiffError, RemoteStoreError
 
 log = logging.getLogger(__name__)
 
+PULLING = ".pulling-"
+"""Prefix of the directory in ``RUN_DIR`` a pull goes into before its files are moved in (left only by a crash
+during the pull; removed by the next one)."""
+
 
 def reconcile(root: Path, store: Store) -> tuple[bool, str]:
     """Before a trainer opens ``root`` (holding its writer lock) with a remote: where only the remote holds the run
@@ -61,7 +71,8 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         return False, f"{store.url} holds no run yet: the mirror uploads {root}"
     theirs = remote_manifest(store, root)
     if not (root / MANIFEST).exists():
-        pull(store, root)
+        pull_in(store, root, None, f"Nothing was pulled into {root}: wrap() again once the store serves it "
+                "(check the store, its endpoint and credentials: AWS_ENDPOINT_URL, ...)")
         return True, f"{root} held no run: pulled the run from {store.url} (up to step {reach(remote)})"
     ours = read_manifest(root)
     if theirs.run_id != ours.run_id:
@@ -76,21 +87,46 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
                       "replaced by the mirror)")
     resumed = history.descends(theirs.history, ours.history)
     remote_step = reach(remote)
+    left = (f"{root} was left as it was (its run, up to step {local_step}, was not moved aside). wrap() again once "
+            "the store serves it, and the run in the bucket is pulled then if it is newer; or set remote.url to null "
+            "to train on from the local run without the mirror")
     if not resumed:
-        remote_step = vouched_reach(store, remote, local_step)
+        try:
+            remote_step = vouched_reach(store, remote, local_step)
+        except RemoteStoreError as e:
+            raise RemoteStoreError(f"{e}. {left}") from e
         if remote_step <= local_step:
             return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step "
                           f"{remote_step}): resuming from the local run directory")
     aside = root / "quarantine" / f"replaced-by-remote-{int(time.time())}"
-    for name in local_files(root):
-        target = aside / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(root / name, target)
-    (root / RECORD).unlink(missing_ok=True)
-    pull(store, root)
+    pull_in(store, root, aside, left)
     why = (f"resumed the run since {root} was written" if resumed
            else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
     return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
+
+
+def pull_in(store: Store, root: Path, aside: Path | None, then: str) -> None:
+    """Pull the remote run into ``root``: into ``root/.pulling-*`` first; once it is whole, the local files (with
+    ``aside``) are moved there, then the pulled files into ``root``, the manifest last. A pull that fails raises
+    :class:`RemoteStoreError` naming what failed, followed by ``then`` (the state ``root`` is in, what to do)."""
+    for left in root.glob(PULLING + "*"):  # a pull a crash interrupted
+        shutil.rmtree(left, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=PULLING, dir=root))
+    try:
+        try:
+            names = pull(store, staging)
+        except RemoteStoreError as e:
+            raise RemoteStoreError(f"{e}. {then}") from e
+        if aside is not None:
+            for name in local_files(root):  # the manifest last
+                target = aside / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(root / name, target)
+        for name in [*names, RECORD]:  # the data files, the manifest, then what the mirror holds as its own
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / name, root / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def vouched_reach(store: Store, remote: Mapping[str, int], above: int) -> int:

@@ -265,13 +265,18 @@ def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"fetching {store.url}", leave=False,
               disable=True if progress is False else None) as bar:
         def one(name: str) -> None:
-            store.get(name, dest / name)
+            try:
+                store.get(name, dest / name)
+            except Exception as e:
+                raise RemoteStoreError(f"fetching {store.url}/{name} failed ({type(e).__name__}: {e})") from e
             bar.update(remote[name])
 
         try:
             with ThreadPoolExecutor(max(1, workers)) as pool:
                 list(pool.map(one, wanted))
             one(MANIFEST)
+        except RemoteStoreError:
+            raise
         except Exception as e:
             raise RemoteStoreError(f"fetching the run from {store.url} failed: {e}") from e
     done = read_record(dest, store.url)

@@ -1,8 +1,9 @@
 """What ``wrap()`` does with a remote when the local run directory holds the run too (reconcile: the newer wins)
-and something under the prefix misbehaves (tests/remote/conftest.py's real S3 server)."""
+and something under the prefix, or the store itself, misbehaves (tests/remote/conftest.py's real S3 server)."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,3 +53,51 @@ def test_a_foreign_object_named_like_the_runs_does_not_make_the_bucket_newer(tmp
     assert any(f"{url}/{stranger}: " in m and "not counted" in m for m in said) == ("00010-" in stranger or
                                                                                    "snapshots" in stranger), said
     assert not [m for m in said if "lowdiff-remote-" in m], said
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_pull_that_fails_leaves_the_local_run_as_it_was(tmp_path: Path, s3, resumed: bool) -> None:
+    """A stale copy of the run (step 10) meets a bucket that reaches step 14, whose newest segment cannot be read
+    (archived to another storage class: every GET of it is refused). The bucket's run is the same history further
+    on (read to judge it newer), or resumed since the copy (pulled at once). wrap() refuses, naming the object and
+    what to do, and leaves the local run directory as it was (nothing quarantined, nothing half pulled in). Once
+    the object is readable again, wrap() pulls the bucket's run and the resume continues exactly."""
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix = url[len("s3://"):]
+    scenario = replace(BASE, remote_url=url)
+    reference = train_run(replace(BASE), tmp_path / "ref", 20)
+    t = start(scenario, tmp_path / "a")
+    t.train(1, 10)
+    if resumed:
+        t.opt.close()
+        t = start(scenario, tmp_path / "a")
+    else:
+        t.opt.flush()
+    shutil.copytree(tmp_path / "a", tmp_path / "stale", ignore=shutil.ignore_patterns("*.lock"))
+    t.train(11, 14)
+    t.opt.close()
+    fs = s3.fs()
+    newest = max((p for p in fs.find(f"{prefix}/log")), key=_step_of)
+    whole = fs.cat(newest)
+    fs.pipe(newest, whole, StorageClass="GLACIER")
+
+    def files() -> list[str]:
+        return sorted(str(p.relative_to(tmp_path / "stale")) for p in (tmp_path / "stale").rglob("*")
+                      if p.suffix != ".lock")
+
+    before = files()
+    with pytest.raises(lowdiff.RemoteStoreError) as e:
+        start(scenario, tmp_path / "stale", resume=False)
+    said = str(e.value)
+    assert f"fetching {url}/{newest[len(prefix) + 1:]} failed" in said, said
+    assert f"{tmp_path / 'stale'} was left as it was" in said and "remote.url to null" in said, said
+    assert files() == before
+    assert lowdiff.recover(tmp_path / "stale").step == 10
+
+    fs.pipe(newest, whole)  # readable again
+    t2 = start(scenario, tmp_path / "stale", resume=False)
+    assert t2.opt.resume() == 14
+    t2.train(15, 20)
+    t2.opt.close()
+    assert_state_equal(*reference.refs[20], lowdiff.recover(tmp_path / "stale"))
+    assert_state_equal(*reference.refs[20], lowdiff.recover(url))
