@@ -30,7 +30,7 @@ from lowdiff._storage.log_reader import Chain, candidates_for, contested, contes
 from lowdiff._storage.manifest import Manifest, read_manifest
 from lowdiff._storage.named_state import to_indexed
 from lowdiff._storage.remote import fetched, is_url, needed
-from lowdiff._storage.remote_names import naming_remote
+from lowdiff._storage.remote_names import listing, missing_shards, naming_remote
 from lowdiff._storage.segment import SegmentReader
 from lowdiff._storage.snapshot import read_rank_state
 from lowdiff.errors import (
@@ -59,7 +59,7 @@ class RecoveryReport:
     times: PhaseTimes = field(default_factory=PhaseTimes)
     total_s: float = 0.0
     skipped: list[str] = field(default_factory=list)
-    """Damaged files that recovery stepped around, with the reason."""
+    """Damaged files that recovery stepped around, with the reason (from a bucket, also missing shards of a set)."""
 
     def summary(self) -> str:
         t = self.times
@@ -218,8 +218,9 @@ def _recover_remote(url: str, storage_options: dict[str, Any] | None, step: int 
     and recover from it; where that skipped or refused anything, fetch the whole run and recover from that, so an
     older snapshot can stand in for a damaged one exactly as on a local disk."""
     said: set[str] = set()  # by both reads, under the files' URLs (lowdiff._storage.remote_names)
+    listed: list[str] = []
     for select in (lambda names: needed(names, step), None):
-        with fetched(url, storage_options, progress=progress is not None, select=select) as local, \
+        with fetched(url, storage_options, progress=progress is not None, select=listing(select, listed)) as local, \
                 naming_remote(local, url, log, said) as rename:
             try:
                 rec = recover_at(local)
@@ -230,6 +231,7 @@ def _recover_remote(url: str, storage_options: dict[str, Any] | None, step: int 
                 raise
             rec.report.skipped = [rename(s) for s in rec.report.skipped]
             if select is None or not rec.report.skipped:
+                rec.report.skipped += missing_shards(listed, url, rec.report.snapshot_step, step, log)
                 return rec
             log.info("recovery: %s: a file the step needs is damaged; fetching the whole run", url)
     raise AssertionError("unreachable")

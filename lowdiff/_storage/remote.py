@@ -94,22 +94,34 @@ def local_files(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def reach(names: Iterable[str]) -> int:
-    """The step the named files reach, judged by names alone: the newest complete snapshot set and the complete
-    segment sets contiguous after it (-1: no complete snapshot). Under DDP a set is complete once every rank's
-    shard is there."""
-    snaps: dict[int, dict[int, set[int]]] = {}
-    segs: dict[tuple[int, int], dict[int, set[int]]] = {}
+Shards = dict[int, set[int]]
+"""A file set's shards found, by shard count: ``{count: {index}}``."""
+
+
+def file_sets(names: Iterable[str]) -> tuple[dict[int, Shards], dict[tuple[int, int], Shards]]:
+    """The snapshot and segment file sets the names form, judged by names alone: by step, and by (first, last)
+    step (one file of an unsharded run is shard 0 of 1)."""
+    snaps: dict[int, Shards] = {}
+    segs: dict[tuple[int, int], Shards] = {}
     for name in names:
         where, _, base = name.partition("/")
         if where == SNAPSHOT_DIR and (snap := parse_snapshot_name(base)) is not None:
             snaps.setdefault(snap[0], {}).setdefault(snap[1].count, set()).add(snap[1].index)
         elif where == LOG_DIR and (seg := parse_segment_name(base)) is not None:
             segs.setdefault((seg[0], seg[1]), {}).setdefault(seg[2].count, set()).add(seg[2].index)
+    return snaps, segs
 
-    def complete(sets: dict[int, set[int]]) -> bool:
-        return any(len(indexes) == count for count, indexes in sets.items())
 
+def complete(sets: Shards) -> bool:
+    """Whether one of a file set's shard counts has every shard (:func:`file_sets`)."""
+    return any(len(indexes) == count for count, indexes in sets.items())
+
+
+def reach(names: Iterable[str]) -> int:
+    """The step the named files reach, judged by names alone: the newest complete snapshot set and the complete
+    segment sets contiguous after it (-1: no complete snapshot). Under DDP a set is complete once every rank's
+    shard is there."""
+    snaps, segs = file_sets(names)
     bases = [s for s, sets in snaps.items() if complete(sets)]
     if not bases:
         return -1
@@ -230,9 +242,10 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 def needed(names: Iterable[str], step: int | None) -> set[str]:
     """Of a run's files, those a recovery of ``step`` (None: the newest) reads when nothing is damaged: the newest
-    snapshot at or before it, the segments after that snapshot and the stop files from it on."""
+    complete snapshot set at or before it (under DDP one whose every shard is there), the segments after that
+    snapshot and the stop files from it on."""
     names = set(names)
-    snaps = sorted({step_key(n)[0] for n in names if n.startswith(SNAPSHOT_DIR + "/")})
+    snaps = sorted(s for s, sets in file_sets(names)[0].items() if complete(sets))
     bases = [s for s in snaps if step is None or s <= step]
     if not bases:
         return names  # the whole run: its readers say what is missing

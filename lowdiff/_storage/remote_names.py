@@ -2,17 +2,21 @@
 
 Recovery reads a remote run :func:`~lowdiff._storage.remote.fetched` into a temporary directory, removed once it
 returns: the files it stepped around (``report.skipped``, ``summary()``, the command line's output), its log lines
-and its errors name them in the bucket instead, where the user can look at them or remove them.
+and its errors name them in the bucket instead, where the user can look at them or remove them. A file set of a
+run trained on several ranks that lacks a shard in the bucket (an upload that never happened) is stepped around as
+on a local disk, and said too (:func:`missing_shards`): locally that is a rank that died before its commit, in a
+bucket a loss the user should know of.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from lowdiff._storage.remote import name_remote
+from lowdiff._storage.format import LOG_DIR, SNAPSHOT_DIR, Shard, segment_name, snapshot_name
+from lowdiff._storage.remote import complete, file_sets, name_remote
 from lowdiff.errors import LowDiffError
 
 
@@ -46,3 +50,32 @@ def naming_remote(local: Path, url: str, logger: logging.Logger,
         raise
     finally:
         logger.removeFilter(renamed)
+
+
+def listing(select: Callable[[Iterable[str]], set[str]] | None, into: list[str]) -> Callable[[Iterable[str]], set[str]]:
+    """What :func:`~lowdiff._storage.remote.pull` fetches with ``select`` (None: every file), keeping the names it
+    picks from (the remote run's listing) in ``into``."""
+    def pick(names: Iterable[str]) -> set[str]:
+        into[:] = list(names)
+        return set(into) if select is None else select(into)
+    return pick
+
+
+def missing_shards(names: Iterable[str], url: str, after: int, upto: int | None, logger: logging.Logger) -> list[str]:
+    """Of a remote run's ``names``, the shards missing from the incomplete file sets a recovery from the snapshot
+    of step ``after`` to step ``upto`` (None: the newest) would have read: one line each, naming the object by its
+    URL, also logged."""
+    snaps, segs = file_sets(names)
+    found = [(s, s, sets, True) for s, sets in snaps.items()] + [(a, b, sets, False) for (a, b), sets in segs.items()]
+    out = []
+    for first, last, sets, is_snapshot in sorted(found, key=lambda f: (f[1], not f[3])):
+        if complete(sets) or last <= after or (upto is not None and first > upto):
+            continue
+        for count, have in sorted(sets.items()):
+            for i in sorted(set(range(count)) - have):
+                name = (f"{SNAPSHOT_DIR}/{snapshot_name(first, Shard(i, count))}" if is_snapshot
+                        else f"{LOG_DIR}/{segment_name(first, last, Shard(i, count))}")
+                out.append(f"{url.rstrip('/')}/{name}: missing, while {len(have)} other shard(s) of its {count}-shard "
+                           "set are in the bucket (an upload that never happened, or an object deleted)")
+                logger.warning("recovery: %s; stepping around that set", out[-1])
+    return out

@@ -41,6 +41,11 @@ def test_needed_is_the_newest_snapshot_at_or_before_the_step_and_what_follows() 
     assert needed(names, None) == {snap(14), seg(15, 16), "stops/step-0000000016.h5"}
     assert needed(names, 9) == {snap(7), seg(8, 10), seg(11, 14), seg(15, 16), "stops/step-0000000016.h5"}
     assert needed([seg(1, 3)], None) == {seg(1, 3)}  # no snapshot: everything, and the readers say what is wrong
+    two = ".shard-{:05d}-of-00002"
+    sharded = [snap(0, two.format(0)), snap(0, two.format(1)), snap(7, two.format(0)), seg(1, 3, two.format(0)),
+               seg(1, 3, two.format(1)), seg(4, 9, two.format(0)), seg(4, 9, two.format(1))]
+    # Rank 1's shard of snapshot 7 is not in the bucket: the snapshot a recovery can start from is 0's.
+    assert needed(sharded, None) == {n for n in sharded if not n.startswith(snap(7)[:-3])}
 
 
 def test_a_restarted_mirror_starts_where_its_record_reaches() -> None:
