@@ -39,7 +39,7 @@ def test_a_foreign_object_named_like_the_runs_does_not_make_the_bucket_newer(tmp
     fs = s3.fs()
     for path in fs.find(prefix):
         name = path[len(prefix) + 1:]
-        if name != "manifest.json" and _step_of(name) > 10:
+        if name not in ("manifest.json", "claim.json") and _step_of(name) > 10:
             fs.rm(path)
     train_run(replace(BASE, seed=11), tmp_path / "other", 3)
     fs.put_file(str(tmp_path / "other" / "log" / "steps-0000000001-0000000003.h5"), f"{prefix}/{stranger}")
