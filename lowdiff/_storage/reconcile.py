@@ -92,7 +92,7 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
             "to train on from the local run without the mirror")
     if not resumed:
         try:
-            remote_step = vouched_reach(store, remote, local_step)
+            remote_step = vouched_reach(store, root, remote, local_step)
         except RemoteStoreError as e:
             raise RemoteStoreError(f"{e}. {left}") from e
         if remote_step <= local_step:
@@ -129,17 +129,18 @@ def pull_in(store: Store, root: Path, aside: Path | None, then: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def vouched_reach(store: Store, remote: Mapping[str, int], above: int) -> int:
+def vouched_reach(store: Store, root: Path, remote: Mapping[str, int], above: int) -> int:
     """The step the remote's files reach (:func:`~lowdiff._storage.remote.reach`), counting a file set that holds a
     step after ``above`` (the local run's newest) only once it has been fetched and read as recovery reads it: it
     names this run, a branch of the remote manifest's history and the steps its name says. Such sets come down
-    only where the names alone reach past ``above``."""
+    only where the names alone reach past ``above``, into ``root`` (the run directory's file system, which has
+    room for the run; a temporary directory may not)."""
     names = [n for n in remote if n != MANIFEST]
     hoped = reach(names)
     if hoped <= above:
         return hoped
     later = {n for n in names if n.split("/", 1)[0] in (SNAPSHOT_DIR, LOG_DIR) and above < step_key(n)[0] <= hoped}
-    tmp = Path(tempfile.mkdtemp(prefix="lowdiff-remote-"))
+    tmp = Path(tempfile.mkdtemp(prefix=PULLING, dir=root))  # removed by the next pull should a crash leave it
     try:
         pull(store, tmp, select=lambda listed: later & set(listed))
         readable = _readable(tmp, store.url)
