@@ -407,16 +407,24 @@ def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, cap
     caplog.set_level(logging.ERROR, logger="lowdiff")
     t.train(5, 12)
     t.opt.flush()
-    deadline = time.monotonic() + 60
-    while not any("not mirrored" in r.getMessage() for r in caplog.records):
-        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-        time.sleep(0.1)
-    said = next(r.getMessage() for r in caplog.records if "not mirrored" in r.getMessage())
+    said = not_mirrored(caplog)
     assert other_id in said and "Another trainer mirrors to that prefix too" in said
     assert t.opt.stats.remote_durable_step == before
     t.opt.close()
     got = json.loads(s3.fs().cat(f"{url[len('s3://'):]}/manifest.json"))
     assert got["run_id"] == other_id  # the other run's manifest stands
+
+
+def not_mirrored(caplog: pytest.LogCaptureFixture, within_s: float = 60.0) -> str:
+    """The mirror's "the run is not mirrored" error, once logged (waited for up to ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        said = [r.getMessage() for r in caplog.records]
+        hit = next((m for m in said if "not mirrored" in m), None)
+        if hit is not None:
+            return hit
+        assert time.monotonic() < deadline, said
+        time.sleep(0.1)
 
 
 def _run_files(root: Path) -> dict[str, bytes]:
@@ -451,10 +459,7 @@ def test_two_trainers_on_one_empty_prefix(tmp_path: Path, s3, caplog: pytest.Log
         relay.release()
         a.train(1, 8)
         a.opt.flush()
-        deadline = time.monotonic() + 60
-        while not any("not mirrored" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-            time.sleep(0.1)
+        not_mirrored(caplog)
         a_durable = a.opt.stats.remote_durable_step
         a.opt.close()
     b.opt.close()
