@@ -7,9 +7,10 @@ another run is refused. Two rules keep that sound against what else a bucket may
 fails meanwhile:
 
 - **What the bucket reaches** is judged by its complete file sets (:func:`~lowdiff._storage.remote.reach`), and a
-  file holding a step after the local run's newest counts only once it has been fetched and read as recovery reads
-  it (:func:`vouched_reach`): an object that is not the run's (another run's file, or anything named like one of
-  its files) never makes the bucket look newer than a local run it would then replace.
+  file holding a step after the local run's newest counts only once it has been fetched and its metadata read as
+  recovery reads it (:func:`vouched_reach`; run id, branch, steps, metadata CRC: not the tensor data): an object
+  that is not the run's (another run's file, or anything named like one of its files) never makes the bucket look
+  newer than a local run it would then replace.
 - **A pull** goes into ``RUN_DIR/.pulling-*/`` first (:func:`pull_in`); only once it is whole are the local files
   moved aside and the pulled ones moved in (renames on one file system). A pull that fails leaves the run
   directory as it was, and the error says so and what to do.
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PULLING = ".pulling-"
 """Prefix of the directory in ``RUN_DIR`` a pull goes into before its files are moved in (left only by a crash
-during the pull; removed by the next one)."""
+during the pull; removed by the next :func:`reconcile`)."""
 
 
 def reconcile(root: Path, store: Store) -> tuple[bool, str]:
@@ -66,6 +67,8 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         raise RemoteStoreError(f"cannot list {store.url} ({e}), and {root} holds no run: starting a new run could "
                                "replace one the store holds. Fix the store's endpoint or credentials "
                                "(AWS_ENDPOINT_URL, ...), or leave remote.url unset to train without the mirror") from e
+    for stale in root.glob(PULLING + "*"):  # a pull, or a read of the bucket's later files, a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
     if MANIFEST not in remote:
         refuse_claimed(store, root)  # another trainer started on the empty prefix first (a job launched twice)
         return False, f"{store.url} holds no run yet: the mirror uploads {root}"
@@ -107,10 +110,9 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
 
 def pull_in(store: Store, root: Path, aside: Path | None, then: str) -> None:
     """Pull the remote run into ``root``: into ``root/.pulling-*`` first; once it is whole, the local files (with
-    ``aside``) are moved there, then the pulled files into ``root``, the manifest last. A pull that fails raises
-    :class:`RemoteStoreError` naming what failed, followed by ``then`` (the state ``root`` is in, what to do)."""
-    for left in root.glob(PULLING + "*"):  # a pull a crash interrupted
-        shutil.rmtree(left, ignore_errors=True)
+    ``aside``) are moved there, the manifest first, then the pulled files into ``root``, the manifest last. A pull
+    that fails raises :class:`RemoteStoreError` naming what failed, followed by ``then`` (the state ``root`` is in,
+    what to do)."""
     staging = Path(tempfile.mkdtemp(prefix=PULLING, dir=root))
     try:
         try:
@@ -118,7 +120,10 @@ def pull_in(store: Store, root: Path, aside: Path | None, then: str) -> None:
         except RemoteStoreError as e:
             raise RemoteStoreError(f"{e}. {then}") from e
         if aside is not None:
-            for name in local_files(root):  # the manifest last
+            # The manifest first: a crash in the middle leaves no run (the next wrap() pulls the whole run again),
+            # never a run that resumes at an older step with its newer files moved aside.
+            names_here = sorted(local_files(root), key=lambda n: n != MANIFEST)
+            for name in names_here:
                 target = aside / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(root / name, target)

@@ -28,6 +28,7 @@ import errno
 import json
 import os
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -39,6 +40,9 @@ from lowdiff.errors import CorruptFileError, LowDiffError, RemoteStoreError, Run
 
 CLAIM_MAX_BYTES = 4096
 """A larger ``claim.json`` is refused unread (FORMAT.md section 1)."""
+EMPTY_READS = 20
+"""An empty claim is read again this many times, 0.1 s apart, before it is judged damaged: on a file system without
+hard links a claim is created empty, then written (:func:`_create`)."""
 UNSUPPORTED_CODES = ("NotImplemented", "501")
 """A store's answers to a conditional create that say it has none (then the claim is written plainly)."""
 NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
@@ -65,10 +69,14 @@ def claimant(store: ClaimStore) -> Claim | None:
     """The claim under ``store``'s prefix (None: none). Raises :class:`CorruptFileError` naming the object's URL
     when it is not a claim."""
     where = f"{store.url}/{CLAIM}"
-    try:
-        data = store.fs.cat_file(f"{store.root}/{CLAIM}", start=0, end=CLAIM_MAX_BYTES + 1)
-    except FileNotFoundError:
-        return None
+    for _ in range(EMPTY_READS):
+        try:
+            data = store.fs.cat_file(f"{store.root}/{CLAIM}", start=0, end=CLAIM_MAX_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        if data:
+            break
+        time.sleep(0.1)  # empty: being written, on a file system without hard links (:func:`_create`)
     fix = (f"delete it if no trainer mirrors to {store.url} (the mirror of the next wrap() there claims the prefix "
            "again)")
     if len(data) > CLAIM_MAX_BYTES:
@@ -144,7 +152,8 @@ def _code(e: BaseException) -> str | None:
 def other_run(store: ClaimStore, there: Claim, root: Path, ours: str | None) -> RemoteStoreError:
     """The error for a prefix claimed by another run than ``ours`` (the run in ``root``; None: a new run)."""
     by = f", {there.by}" if there.by else ""
-    mine = f"{root} (run id {ours})" if ours else f"the new run in {root}"
+    mine = (f"{root} (run id {ours})" if ours else f"the run in {root} (written before run ids)"
+            if (root / MANIFEST).exists() else f"the new run in {root}")
     return RemoteStoreError(
         f"{store.url} is claimed by another run (run id {there.run_id}{by}) than {mine}: another trainer started "
         "on that prefix while it was empty, and claimed it first (a job launched twice?). Nothing of this run is "

@@ -67,15 +67,22 @@ def missing_shards(names: Iterable[str], url: str, after: int, upto: int | None,
     URL, also logged."""
     snaps, segs = file_sets(names)
     found = [(s, s, sets, True) for s, sets in snaps.items()] + [(a, b, sets, False) for (a, b), sets in segs.items()]
+    whole = max((last for _, last, sets, _ in found if complete(sets)), default=-1)
     out = []
     for first, last, sets, is_snapshot in sorted(found, key=lambda f: (f[1], not f[3])):
         if complete(sets) or last <= after or (upto is not None and first > upto):
             continue
+        # Past every whole set: the run's newest files, which a live or stopped run's other rank had not committed
+        # (or the mirror not uploaded) when the bucket was last written, as often as they were lost.
+        newest = last > whole
+        why = ("the run's newest steps: not committed by every rank or not uploaded yet when the bucket was last "
+               "written, or lost" if newest else "an upload that never happened, or an object deleted")
         for count, have in sorted(sets.items()):
             for i in sorted(set(range(count)) - have):
                 name = (f"{SNAPSHOT_DIR}/{snapshot_name(first, Shard(i, count))}" if is_snapshot
                         else f"{LOG_DIR}/{segment_name(first, last, Shard(i, count))}")
                 out.append(f"{url.rstrip('/')}/{name}: missing, while {len(have)} other shard(s) of its {count}-shard "
-                           "set are in the bucket (an upload that never happened, or an object deleted)")
-                logger.warning("recovery: %s; stepping around that set", out[-1])
+                           f"set are in the bucket ({why})")
+                logger.log(logging.INFO if newest else logging.WARNING, "recovery: %s; stepping around that set",
+                           out[-1])
     return out

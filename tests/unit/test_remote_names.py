@@ -59,3 +59,25 @@ def test_a_restarted_mirror_starts_where_its_record_reaches() -> None:
     assert uploaded_reach({n: v for n, v in record.items() if n != snap(0)}, here) == -1  # no snapshot up
     # Retention deleted snapshot 0 here after snapshot 7 went up: the bucket keeps what the record says.
     assert uploaded_reach({**record, snap(7): (50, 1)}, {n: v for n, v in here.items() if n != snap(0)}) == 7
+
+
+def test_a_missing_shard_is_said_as_a_loss_only_where_a_whole_set_follows(caplog) -> None:
+    """A set lacking a shard before a whole later set is a hole in the bucket (WARNING); one past every whole set is
+    the run's newest, which a live run's other rank may not have committed yet (INFO, and said so)."""
+    import logging
+
+    from lowdiff._storage.remote_names import missing_shards
+
+    two = ".shard-{:05d}-of-00002"
+    both = [snap(0, two.format(0)), snap(0, two.format(1)), seg(1, 10, two.format(0)), seg(1, 10, two.format(1))]
+    log = logging.getLogger("test-missing-shards")
+    with caplog.at_level(logging.INFO, logger="test-missing-shards"):
+        said = missing_shards([*both, seg(11, 20, two.format(0))], "s3://b/p", 0, None, log)
+    assert len(said) == 1 and said[0].startswith("s3://b/p/" + seg(11, 20, two.format(1)) + ": missing")
+    assert "the run's newest steps" in said[0] and [r.levelno for r in caplog.records] == [logging.INFO]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="test-missing-shards"):
+        said = missing_shards([*both, seg(11, 20, two.format(0)), seg(21, 30, two.format(0)),
+                               seg(21, 30, two.format(1))], "s3://b/p", 0, None, log)
+    assert len(said) == 1 and "an upload that never happened" in said[0]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
