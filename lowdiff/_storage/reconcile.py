@@ -145,7 +145,7 @@ def vouched_reach(store: Store, root: Path, remote: Mapping[str, int], above: in
     if hoped <= above:
         return hoped
     later = {n for n in names if n.split("/", 1)[0] in (SNAPSHOT_DIR, LOG_DIR) and above < step_key(n)[0] <= hoped}
-    tmp = Path(tempfile.mkdtemp(prefix=PULLING, dir=root))  # removed by the next pull should a crash leave it
+    tmp = Path(tempfile.mkdtemp(prefix=PULLING, dir=root))  # removed by the next reconcile should a crash leave it
     try:
         pull(store, tmp, select=lambda listed: later & set(listed))
         readable = _readable(tmp, store.url)
