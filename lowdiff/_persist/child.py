@@ -40,6 +40,7 @@ import torch
 
 from lowdiff._persist import messages as m
 from lowdiff._persist.child_replica import PacedReplica
+from lowdiff._persist.mailbox import Inbox
 from lowdiff._persist.thread_writer import BackgroundWriter
 from lowdiff._persist.writer import WriterEvents
 from lowdiff._storage import atomic
@@ -171,6 +172,7 @@ class Session:
                  replica: PacedReplica | None = None) -> None:
         self.conn = conn
         self.trainer_pid = trainer_pid
+        self.inbox = Inbox(conn, lambda: os.getppid() != trainer_pid)
         self.writer = writer
         self.reporter = reporter
         self.replica = replica
@@ -182,17 +184,15 @@ class Session:
 
     def serve(self) -> bool:
         """Handle messages until :class:`~lowdiff._persist.messages.Close` (True) or until the training process is
-        gone (False)."""
+        gone (False): its socket at end of file, or this process re-parented (a process it forked, a DataLoader
+        worker, may still hold its end of the socket). Compared with the trainer's pid, not with the parent found
+        at start: the trainer may have died while this process was still importing torch."""
         while True:
             try:
-                if not self.conn.poll(1.0):
-                    # Re-parented: the trainer is gone, though a process it forked (a DataLoader worker) may still
-                    # hold its end of the socket. Compared with the trainer's pid, not with the parent found at
-                    # start: the trainer may have died while this process was still importing torch.
-                    if os.getppid() != self.trainer_pid:
-                        return False
-                    continue
-                msg = m.decode(self.conn.recv_bytes())
+                data = self.inbox.next()
+                if data is None:
+                    return False
+                msg = m.decode(data)
             except (EOFError, OSError, pickle.UnpicklingError):
                 return False
             try:
@@ -245,12 +245,16 @@ class Session:
                 writer.flush()
                 self.reporter.status()  # before Flushed: the trainer's flush() returns with these counters
                 self.reporter.send(m.Flushed(token))
+            case m.ArenaFollows("m", _, nbytes):
+                self.inbox.open_mailbox(nbytes, recv_handle(self.conn))
             case m.ArenaFollows(kind, ring_id, nbytes):
                 fd = recv_handle(self.conn)
                 old = self.rings.get(kind)
                 self.rings[kind] = (ring_id, Arena(nbytes, fd))
                 if old is not None:
                     old[1].close()
+            case m.Wake():
+                pass
             case m.Close():
                 writer.close()
                 self.reporter.send(m.Closed())

@@ -27,6 +27,7 @@ import pickle
 import signal
 import struct
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -133,7 +134,7 @@ class Flush(NamedTuple):
 
 class ArenaFollows(NamedTuple):
     """The descriptor of a new arena follows this message (SCM_RIGHTS): ``kind`` "r" for the record ring, "s" for
-    the snapshot arena."""
+    the snapshot arena, "m" for the mailbox (lowdiff._persist.mailbox)."""
 
     kind: str
     ring_id: int
@@ -142,6 +143,10 @@ class ArenaFollows(NamedTuple):
 
 class Close(NamedTuple):
     pass
+
+
+class Wake(NamedTuple):
+    """Nothing to do but look into the mailbox now: the trainer waits for a reply."""
 
 
 class Several(NamedTuple):
@@ -184,7 +189,7 @@ class Closed(NamedTuple):
 # -- framing ------------------------------------------------------------------------------------------------------
 
 KINDS: tuple[type, ...] = (Start, Record, Seal, EndKnown, Rng, Drop, Snapshot, ShadowSnapshot, BatchSteps, Flush,
-                           ArenaFollows, Close, Several, Ready, Freed, Status, Failed, Flushed, Closed)
+                           ArenaFollows, Close, Several, Wake, Ready, Freed, Status, Failed, Flushed, Closed)
 _INDEX = {kind: i for i, kind in enumerate(KINDS)}
 _SEVERAL = _INDEX[Several]
 
@@ -213,25 +218,44 @@ _FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a messag
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}
 
 
-def send(conn: Connection, msg: Any, data: bytes | None = None) -> None:
-    """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body.
+def send(conn: Connection, msg: Any, data: bytes | None = None, sent: Callable[[], None] | None = None) -> None:
+    """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body;
+    ``sent()`` runs once it is through, inside the same guard.
 
     A signal handler that raises in the middle (KeyboardInterrupt, lowdiff's SIGTERM handler after its
     deferrals, a program's own ``sys.exit`` on SIGTERM) must not leave part of a message unsent or sent twice, nor
-    a message taken off a queue and never sent (a kill test lost the step whose seal it was). While it writes,
-    lowdiff's own handlers defer (lowdiff/_persist/signals.py); with a handler of the program's own installed,
-    SIGTERM and SIGINT are held back instead, which costs two system calls a message."""
+    a message taken off a queue and never sent (a kill test lost the step whose seal it was): :func:`sending`."""
     if data is None:  # else msg as encode() gave it
         data = encode(msg)
-    if len(data) >= 1 << 31 or not signals.only_lowdiffs():
-        whole(conn.send_bytes, data)
-        return
+    if len(data) >= 1 << 31:
+        whole(_send_big, conn, data, sent)
+    else:
+        sending(_write, conn.fileno(), data, sent)
+
+
+def _write(fd: int, data: bytes, sent: Callable[[], None] | None) -> None:
     frame = memoryview(_FRAME.pack(len(data)) + data)
-    fd = conn.fileno()
+    while len(frame):
+        frame = frame[os.write(fd, frame):]
+    if sent is not None:
+        sent()
+
+
+def _send_big(conn: Connection, data: bytes, sent: Callable[[], None] | None) -> None:
+    conn.send_bytes(data)
+    if sent is not None:
+        sent()
+
+
+def sending(io: Callable[..., Any], *args: Any) -> Any:
+    """``io(*args)``, which writes a message and counts it as sent, not cut by a signal handler: lowdiff's own
+    handlers defer meanwhile (lowdiff/_persist/signals.py); with a handler of the program's own installed, SIGTERM
+    and SIGINT are held back instead (:func:`whole`, two system calls)."""
+    if not signals.only_lowdiffs():
+        return whole(io, *args)
     try:
         signals.state.sending = True
-        while len(frame):
-            frame = frame[os.write(fd, frame):]
+        return io(*args)
     finally:
         signals.state.sending = False
 

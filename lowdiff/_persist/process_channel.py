@@ -19,12 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff._persist import messages as m
+from lowdiff._persist.mailbox import SEQ, Mailbox
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.lock import take_persistence_lock
 from lowdiff._storage.run_dir import RunDir
 from lowdiff.errors import CheckpointWriteError
 
 log = logging.getLogger("lowdiff._persist.process_writer")
+
+BY_SOCKET = (m.ArenaFollows, m.Flush, m.Close, m.Wake)
+"""Messages the persistence process must see at once (the others go into the mailbox when they fit)."""
 
 
 class Channel:
@@ -74,6 +78,11 @@ class Channel:
         self._replies = select.poll()
         self._replies.register(self.conn.fileno(), select.POLLIN)
         m.send(self.conn, start)
+        self._seq = 0  # of the messages after Start, by either way
+        self._box: Mailbox | None = None
+        box = Mailbox()
+        self.send_arena("m", 0, box.fd, box.nbytes)
+        self._box = box
         self.start_s = time.perf_counter() - t0
         log.info("lowdiff: persistence process pid %d started for %s", self.proc.pid, run_dir.path)
 
@@ -109,21 +118,39 @@ class Channel:
 
     # -- messages --------------------------------------------------------------------------------------------
 
-    def send(self, msg: Any) -> None:
-        """Send ``msg`` (with the message held back for it, if any); a dead persistence process is recorded (raised
-        by the next ``take_error``), not raised. Replies are read once per step (``take_error``) and while waiting,
-        not before every send (a poll per message cost more than the send)."""
+    def send(self, msg: Any, wake: bool = False) -> None:
+        """Send ``msg`` (with the message held back, if any): into the mailbox (lowdiff._persist.mailbox), or by
+        the socket when it must be seen at once (:data:`BY_SOCKET`, ``wake``: the ring is about to fill, and the
+        persistence process frees its slots only once it has seen their records) or does not fit now. A dead
+        persistence process is recorded (raised by the next ``take_error``), not raised. Replies are read once per
+        step (``take_error``) and while waiting, not before every send (a poll per message cost more than the
+        send)."""
         if self.dead:
             self.died()
             return
+        by_socket = wake or type(msg) in BY_SOCKET or self._box is None
         if self._outbox is not None:
             msg = m.Several([self._outbox, msg])
         data = m.encode(msg)  # may raise (a Ctrl-C while a value's copy is awaited): the held message stays held
         self._outbox = None
+        if not by_socket and m.sending(self._put, data):
+            return
         try:
-            m.send(self.conn, msg, data)
+            m.send(self.conn, msg, SEQ.pack(self._seq) + data, sent=self._sent)
         except OSError:
             self.died()
+
+    def _put(self, data: bytes) -> bool:
+        """Into the mailbox, the sequence number counted with it (lowdiff's signal handlers deferred meanwhile: a
+        handler raising between the two would send the next message with a number already used)."""
+        assert self._box is not None
+        if not self._box.put(self._seq, data):
+            return False
+        self._seq += 1
+        return True
+
+    def _sent(self) -> None:
+        self._seq += 1
 
     def hold(self, msg: Any) -> None:
         """Send ``msg`` with the next message (or before the next wait): one socket write per step instead of two."""
@@ -140,6 +167,11 @@ class Channel:
         """A new shared-memory arena: the message, then its descriptor. One masked stretch: a SIGINT between the
         two would leave the child reading the next message as the descriptor."""
         m.whole(self._send_arena, kind, ring_id, fd, nbytes)
+
+    def wake(self) -> None:
+        """Have the persistence process look into the mailbox now (it looks by itself every few milliseconds)."""
+        if self._box is not None and self._box.unread():
+            self.send(m.Wake())
 
     def _send_arena(self, kind: str, ring_id: int, fd: int, nbytes: int) -> None:
         self.send(m.ArenaFollows(kind, ring_id, nbytes))
@@ -164,6 +196,7 @@ class Channel:
     def recv(self, block: bool) -> None:
         try:
             if block:
+                self.wake()  # the persistence process may not have looked into the mailbox yet
                 self.conn.poll(None)  # waiting may be interrupted (Ctrl-C, SIGTERM); reading a message may not
             msg = m.recv(self.conn)
         except (EOFError, OSError):
@@ -192,6 +225,8 @@ class Channel:
         """Close the socket and reap the process (it has been told to close, or is gone)."""
         self.closed = True
         self.conn.close()
+        if self._box is not None:
+            self._box.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

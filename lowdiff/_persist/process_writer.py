@@ -206,7 +206,7 @@ class ProcessWriter:
         self._chan.send(m.Record(rec.step, ring_id, aid, offset, layout.nbytes, layout.id,
                             None if layout.id in self._layouts_sent else layout.wire, None if raw == raw_sent else raw,
                             None if rec.groups is groups_sent else rec.groups, rec.data, rec.skipped,
-                            keep_if_orphaned, scale_of(rec)))
+                            keep_if_orphaned, scale_of(rec)), wake=self._records + 2 >= self._max_records())
         self._repeat = raw, rec.groups
         if layout.id not in self._layouts_sent:
             remember(self._layouts_sent, layout.id, None)
