@@ -131,10 +131,20 @@ class Run:
 
     def _open(self, run_dir: RunDir, checkpointer: Checkpointer) -> None:
         run_dir.wait_for_persistence(leader=self.leader)  # an earlier trainer's persistence processes, committing
+        failed: BaseException | None = None
         if self.leader:
-            run_dir.open()
-            if self.config.remote.url is not None:
-                self._reconcile(run_dir)
+            try:
+                run_dir.open()
+                if self.config.remote.url is not None:
+                    self._reconcile(run_dir)
+            except BaseException as e:
+                failed = e
+        # Told to every rank at once: the others would otherwise wait at the barrier below until its timeout.
+        if not self.coord.broadcast_ints([int(failed is None)], "open run directory")[0]:
+            if failed is not None:
+                raise failed
+            raise LowDiffError(f"rank {self.coord.rank}: rank 0 could not open the run directory {run_dir.path} "
+                               f"(its error says why); fix that and start the job again")
         self.coord.barrier("open run directory")  # no rank starts persistence processes before every rank waited
         if run_dir.has_run():
             run_dir.check_compatible(self.spec.manifest)

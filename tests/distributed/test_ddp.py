@@ -322,3 +322,42 @@ def test_a_run_resumed_at_step_0_on_more_ranks_recovers_what_they_trained(tmp_pa
     for step, model_sd, optim_sd in refs[::5]:
         assert_matches(lowdiff.recover(run, step=step), model_sd, optim_sd)
     assert list((run / "quarantine").iterdir())
+
+
+REFUSED_WORKER = '''
+import json, os, sys, time
+import torch, torch.distributed as dist
+import lowdiff
+run_dir, url, out = sys.argv[1:4]
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+t0 = time.monotonic()
+try:
+    lowdiff.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                 {"run_dir": run_dir, "compressor": {"name": "topk"}, "remote": {"url": url}})
+    said = {"raised": None}
+except Exception as e:
+    said = {"raised": type(e).__name__, "message": str(e)}
+said["s"] = time.monotonic() - t0
+with open(f"{out}-{dist.get_rank()}.json", "w") as f:
+    json.dump(said, f)
+while dist.get_rank() == 0 and not os.path.exists(f"{out}-1.json") and time.monotonic() - t0 < 30:
+    time.sleep(0.1)  # a rank 0 that lives on after the error (a program that catches it)
+'''
+
+
+def test_rank_0_failing_to_open_the_run_stops_every_rank_at_once(tmp_path: Path) -> None:
+    """Rank 0 alone opens the run directory and meets the remote prefix at wrap(); when that raises (here: a prefix
+    another run claimed) and rank 0 lives on (a program that catches the error), the other ranks raise at once,
+    saying rank 0 failed, instead of waiting at the barrier until rank 0 exits or the barrier's 300 s timeout."""
+    prefix = tmp_path / "bucket"
+    prefix.mkdir()
+    (prefix / "claim.json").write_text(json.dumps({"run_id": "0123456789abcdef" * 2, "by": "pid 7 on elsewhere"}))
+    worker = tmp_path / "refused_worker.py"
+    worker.write_text(REFUSED_WORKER)
+    torchrun(2, str(tmp_path / "run"), prefix.as_uri(), str(tmp_path / "said"), worker=worker, timeout=120)
+    rank0 = json.loads((tmp_path / "said-0.json").read_text())
+    rank1 = json.loads((tmp_path / "said-1.json").read_text())
+    assert rank0["raised"] == "RemoteStoreError" and "claimed by another run" in rank0["message"], rank0
+    assert rank1["raised"] == "LowDiffError" and "rank 0 could not open the run directory" in rank1["message"], rank1
+    assert rank1["s"] < 20, rank1  # rank 0 waits up to 30 s for it
