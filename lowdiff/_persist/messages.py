@@ -1,17 +1,18 @@
 """The messages between a trainer and its persistence process (``log.persistence: process``), and their framing.
 
 Both sides import this module: the trainer's :class:`lowdiff._persist.process_writer.ProcessWriter` and the
-persistence process (lowdiff/_persist/child.py). A message is a named tuple, sent whole (:func:`encode`) and framed
-as ``multiprocessing.connection``'s ``recv_bytes`` reads it. The bytes of a step's tensors never travel in a message:
-they are in the shared ring already (lowdiff._transfer.ring), and a message says where.
+persistence process (lowdiff/_persist/child.py). A message is a named tuple, encoded whole (:func:`encode`), and
+goes into the shared-memory mailbox (lowdiff._persist.mailbox) or by the socket, framed as
+``multiprocessing.connection``'s ``recv_bytes`` reads it (:func:`send`). The bytes of a step's tensors never travel
+in a message: they are in the shared ring already (lowdiff._transfer.ring), and a message says where.
 
 Call order, trainer to persistence process: :class:`Start` once, then per step :class:`Record` (when ``opt.step()``
 returns) and :class:`Seal` (when its iteration ends) or :class:`Drop` (an interrupted iteration); :class:`Rng` when
 ``opt.capture_rng()`` retakes the RNG state of a record already handed over; :class:`Snapshot` or
 :class:`ShadowSnapshot` at snapshot steps; :class:`BatchSteps` to cut a segment; :class:`ArenaFollows` before the
-descriptor of a new shared-memory arena; :class:`Flush`; :class:`Close`. :class:`Several` carries a seal held back
-to ride with the next message. Back: :class:`Ready` once started, :class:`Freed` slots, :class:`Status` after every
-commit, :class:`Failed`, :class:`Flushed`, :class:`Closed`.
+descriptor of a new shared-memory arena; :class:`Flush`; :class:`Close`; :class:`Wake`. :class:`Several` carries a
+seal held back to ride with the next message. Back: :class:`Ready` once started, :class:`Freed` slots,
+:class:`Status` after every commit, :class:`Failed`, :class:`Flushed`, :class:`Closed`.
 
 On the wire (:func:`encode`) each message is a plain tuple, its kind's index in :data:`KINDS` then its fields: a
 named tuple's pickling looks its class up and calls its Python ``__getnewargs__``, which cost a step's hand-over
