@@ -2,7 +2,7 @@
 write their JSON (never into bench/results/). Marked ``slow`` and skipped unless LOWDIFF_SLOW=1: studies are
 one-off measurements kept runnable, not the benchmarks a user runs (bench/studies/README.md). The other studies
 (gil, tuner: ~25 s each; codecs; gpu_writer_split, which needs CUDA) have no test: run them by hand; gilwait,
-segwrite and stepcpu run their --smoke here."""
+segwrite, stepcpu and handover run their --smoke here."""
 
 from __future__ import annotations
 
@@ -75,3 +75,10 @@ def test_stepcpu_smoke(tmp_path: Path) -> None:
     assert [(r["compressor"], r["persistence"]) for r in res["rows"]] == [
         ("topk", "thread"), ("topk", "process"), ("powersgd", "thread"), ("powersgd", "process")]
     assert all(len(r["old_runs"]) == 2 and len(r["new_runs"]) == 2 for r in res["rows"])
+
+
+def test_handover_smoke(tmp_path: Path) -> None:
+    _run("handover.py", "--out", str(tmp_path / "handover.json"))
+    res = json.loads((tmp_path / "handover.json").read_text())
+    assert set(res["median"]) == {"socket", "mailbox", "socket-small", "mailbox-small", "none"}
+    assert all(v > 0 for v in res["median"].values())
