@@ -153,7 +153,7 @@ class Channel:
         self._seq += 1
 
     def hold(self, msg: Any) -> None:
-        """Send ``msg`` with the next message (or before the next wait): one socket write per step instead of two."""
+        """Send ``msg`` with the next message (or before the next wait): one message per step instead of two."""
         self.push()  # one held at a time: an earlier one goes first
         self._outbox = msg
 
@@ -175,7 +175,12 @@ class Channel:
 
     def _send_arena(self, kind: str, ring_id: int, fd: int, nbytes: int) -> None:
         self.send(m.ArenaFollows(kind, ring_id, nbytes))
-        send_handle(self.conn, fd, self.proc.pid)
+        if self.dead:
+            return
+        try:
+            send_handle(self.conn, fd, self.proc.pid)
+        except OSError:  # the process died meanwhile: recorded, raised by the next take_error as any death
+            self.died()
 
     def drain(self) -> None:
         """Read the replies already there, without waiting."""

@@ -251,7 +251,7 @@ class ProcessWriter:
         msg = m.Seal(rec.step, rec.data, m.AT_STEP if rec.end_groups is rec.groups else rec.end_groups, rng)
         if self._kept_if_orphaned or pending(msg):
             # Committed as it is should the trainer die now (or values in it are still being copied): it rides with
-            # the next message, whose copies come after them (one socket write per step instead of two).
+            # the next message, whose copies come after them (one message per step instead of two).
             self._chan.hold(msg)
         else:
             self._chan.send(msg)
