@@ -1,6 +1,6 @@
 """The trainer's messages to its persistence process, through shared memory instead of the socket (issue 35).
 
-A message written to the socket cost the training thread about 80 us more a step than the same bytes written to
+A message written to the socket cost the training thread about 75 us more a step than the same bytes written to
 shared memory, with the caches cold after a step (bench/studies/handover.py, docs/measurements/handover.md): the
 system call's own path, not the bytes. So the per-step messages go into a :class:`Mailbox`, a byte ring in a
 ``memfd`` both processes map, and the persistence process looks for them without being woken: it waits on the
