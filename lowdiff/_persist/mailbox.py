@@ -4,7 +4,7 @@ A message written to the socket cost the training thread about 75 us more a step
 shared memory, with the caches cold after a step (bench/studies/handover.py, docs/measurements/handover.md): the
 system call's own path, not the bytes. So the per-step messages go into a :class:`Mailbox`, a byte ring in a
 ``memfd`` both processes map, and the persistence process looks for them without being woken: it waits on the
-socket with a timeout (lowdiff._persist.child), so a message that must be seen at once (a flush, the close, a
+socket with a timeout (:class:`Inbox`), so a message that must be seen at once (a flush, the close, a
 wait for a reply, a new arena's descriptor) still goes by the socket. Every message of either way carries a
 sequence number; the persistence process handles them in that order.
 

@@ -1,8 +1,10 @@
 """What lowdiff's signal handlers (lowdiff/_training/lifecycle.py) must know about the code they must not cut.
 
-A message to the persistence process is written with plain ``os.write`` calls: a handler that raised between a
-write and the bookkeeping of how much it wrote would leave part of the message to be sent twice (the persistence
-process then reads garbage), and one that raised before the write would leave it unsent. While :data:`state`
+A message to the persistence process is written with plain ``os.write`` calls, or into the shared-memory mailbox
+(lowdiff._persist.mailbox): a handler that raised between a write and the bookkeeping of how much it wrote (or of
+the message's sequence number) would leave part of the message to be sent twice or a number used twice (the
+persistence process then reads garbage, or waits for a message that never comes), and one that raised before the
+write would leave it unsent. While :data:`state`
 says a message is being sent, lowdiff's own handlers defer; when a handler of the program's own is installed for
 SIGTERM or SIGINT, sends hold both signals back instead (``pthread_sigmask``, two system calls a message).
 """
