@@ -313,9 +313,8 @@ class Session:
                 lock = WriterLock(run_dir.path, holder="persistence process ")
             except RunLockedError:
                 if time.monotonic() > deadline:
-                    log.error("lowdiff: the trainer of %s died and another process holds its lock; %d step(s) "
-                              "handed over after step %d are not committed", run_dir.path,
-                              writer.batch_steps, writer.durable_step)
+                    log.error("lowdiff: the trainer of %s died and another process holds its lock; the steps "
+                              "handed over after step %d are not committed", run_dir.path, writer.durable_step)
                     os._exit(3)
                 time.sleep(0.01)
         try:

@@ -219,31 +219,37 @@ _FRAME = struct.Struct("!i")  # multiprocessing.connection's header for a messag
 _HELD_BACK = {signal.SIGTERM, signal.SIGINT}
 
 
-def send(conn: Connection, msg: Any, data: bytes | None = None, sent: Callable[[], None] | None = None) -> None:
+def send(conn: Connection, msg: Any, data: bytes | None = None, sent: Callable[[], None] | None = None,
+         head: Callable[[], bytes] | None = None) -> None:
     """Send ``msg`` whole, as ``conn.recv_bytes`` on the other end reads it: one ``write`` of header and body;
-    ``sent()`` runs once it is through, inside the same guard.
+    ``head()`` (bytes before the body: a sequence number) is taken and ``sent()`` runs once it is through, inside
+    the same guard.
 
     A signal handler that raises in the middle (KeyboardInterrupt, lowdiff's SIGTERM handler after its
     deferrals, a program's own ``sys.exit`` on SIGTERM) must not leave part of a message unsent or sent twice, nor
-    a message taken off a queue and never sent (a kill test lost the step whose seal it was): :func:`sending`."""
+    a message taken off a queue and never sent (a kill test lost the step whose seal it was): :func:`sending`. A
+    program's handler that sends a message itself (a flush on SIGTERM) runs before or after this one, never
+    between the number in its head and the write."""
     if data is None:  # else msg as encode() gave it
         data = encode(msg)
     if len(data) >= 1 << 31:
-        whole(_send_big, conn, data, sent)
+        whole(_send_big, conn, data, sent, head)
     else:
-        sending(_write, conn.fileno(), data, sent)
+        sending(_write, conn.fileno(), data, sent, head)
 
 
-def _write(fd: int, data: bytes, sent: Callable[[], None] | None) -> None:
-    frame = memoryview(_FRAME.pack(len(data)) + data)
+def _write(fd: int, data: bytes, sent: Callable[[], None] | None, head: Callable[[], bytes] | None) -> None:
+    body = head() + data if head is not None else data
+    frame = memoryview(_FRAME.pack(len(body)) + body)
     while len(frame):
         frame = frame[os.write(fd, frame):]
     if sent is not None:
         sent()
 
 
-def _send_big(conn: Connection, data: bytes, sent: Callable[[], None] | None) -> None:
-    conn.send_bytes(data)
+def _send_big(conn: Connection, data: bytes, sent: Callable[[], None] | None,
+              head: Callable[[], bytes] | None) -> None:
+    conn.send_bytes(head() + data if head is not None else data)
     if sent is not None:
         sent()
 

@@ -11,6 +11,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -136,7 +137,7 @@ class Channel:
         if not by_socket and m.sending(self._put, data):
             return
         try:
-            m.send(self.conn, msg, SEQ.pack(self._seq) + data, sent=self._sent)
+            m.send(self.conn, msg, data, sent=self._sent, head=self._head)
         except OSError:
             self.died()
 
@@ -148,6 +149,9 @@ class Channel:
             return False
         self._seq += 1
         return True
+
+    def _head(self) -> bytes:
+        return SEQ.pack(self._seq)  # taken inside the send's guard (messages.send), as _put takes it
 
     def _sent(self) -> None:
         self._seq += 1
@@ -227,11 +231,20 @@ class Channel:
                 self.dead = True
 
     def shut(self) -> None:
-        """Close the socket and reap the process (it has been told to close, or is gone)."""
+        """Close the socket and reap the process once it has been told to close, or is gone. One that was not (a
+        ``close()`` cut short by a Ctrl-C, or by an error of its own that did not end it) commits what it was handed,
+        as when its trainer dies, once it has the run directory's lock, which this process gives back after this:
+        it is not waited for here (both would wait, the trainer for its exit and it for the lock, until it gave up
+        after ``ORPHAN_LOCK_WAIT_S`` without committing). A later ``wrap()`` of the run waits for it."""
         self.closed = True
         self.conn.close()
         if self._box is not None:
             self._box.close()
+        if not self.dead:
+            log.warning("lowdiff: closing %s was cut short: its persistence process (pid %d) commits the steps it "
+                        "was handed in the background (a resume waits for it)", self.run_dir.path, self.proc.pid)
+            threading.Thread(target=self.proc.wait, name="lowdiff-reap", daemon=True).start()
+            return
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

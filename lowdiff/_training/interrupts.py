@@ -147,16 +147,19 @@ def _on_sigint(signum: int, frame: Any) -> None:
     the persistence process expecting a step it never got: it failed, and the next step raised
     CheckpointWriteError. Deferred, it is raised as ``opt.step()`` returns (:func:`raise_deferred_interrupt`), or
     where the main thread is 5 ms later if it has left lowdiff's code by then (the signal comes back, interrupting a
-    wait); after 1 s of that, wherever the thread is. Deferred only while a wrapper is open, in the process that
-    installed the handler (not a DataLoader worker forked from it), and not in lowdiff.data's loader, which runs
-    the program's dataset code."""
+    wait); after 1 s of that, wherever the thread is. Deferred only while a wrapper is open (or a message to the
+    persistence process is being sent: close()'s last ones), in the process that installed the handler (not a
+    DataLoader worker forked from it), and not in lowdiff.data's loader, which runs the program's dataset code."""
     global _int_deferred, _int_pending, _int_resent
     resent, _int_resent = _int_resent, False
     if resent and not _int_pending:
         return  # the re-sent signal of an interrupt already raised at the end of a step
-    deferring = signals.state.sending or (
-        _inside_lowdiff(frame, ("lowdiff.integrations", "lowdiff.data")) and _int_deferred < MAX_DEFERRALS)
-    if deferring and len(OPEN) and os.getpid() == _int_pid:
+    # A message being sent defers it even with no wrapper open: close() sends its last messages after leaving OPEN,
+    # and a KeyboardInterrupt between a message's write and its sequence number's count would have the next
+    # message (the flush of close()'s cleanup) reuse the number.
+    deferring = signals.state.sending or (len(OPEN) > 0 and _int_deferred < MAX_DEFERRALS and _inside_lowdiff(
+        frame, ("lowdiff.integrations", "lowdiff.data")))
+    if deferring and os.getpid() == _int_pid:
         if not signals.state.sending:
             _int_deferred += 1
         _int_pending = True
