@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -172,7 +172,8 @@ class Session:
                  replica: PacedReplica | None = None) -> None:
         self.conn = conn
         self.trainer_pid = trainer_pid
-        self.inbox = Inbox(conn, lambda: os.getppid() != trainer_pid)
+        self.parent_gone = lambda: os.getppid() != trainer_pid
+        self.inbox = Inbox(conn, self.parent_gone)
         self.writer = writer
         self.reporter = reporter
         self.replica = replica
@@ -246,9 +247,9 @@ class Session:
                 self.reporter.status()  # before Flushed: the trainer's flush() returns with these counters
                 self.reporter.send(m.Flushed(token))
             case m.ArenaFollows("m", _, nbytes):
-                self.inbox.open_mailbox(nbytes, recv_handle(self.conn))
+                self.inbox.open_mailbox(nbytes, descriptor(self.conn, self.parent_gone))
             case m.ArenaFollows(kind, ring_id, nbytes):
-                fd = recv_handle(self.conn)
+                fd = descriptor(self.conn, self.parent_gone)
                 old = self.rings.get(kind)
                 self.rings[kind] = (ring_id, Arena(nbytes, fd))
                 if old is not None:
@@ -338,6 +339,17 @@ class Session:
                         run_dir.path, durable)
         finally:
             lock.release()
+
+
+def descriptor(conn: Connection, parent_gone: Callable[[], bool]) -> int:
+    """The descriptor sent after an ``ArenaFollows``. Its trainer sends it right after the message; one killed in
+    between, its socket held open by a process it forked (a DataLoader worker), would leave ``recv_handle`` waiting
+    for ever, this process holding its persistence lock: so the parent is checked every second meanwhile (EOFError
+    once it is gone, as at end of file)."""
+    while not conn.poll(1.0):
+        if parent_gone():
+            raise EOFError("the trainer died while it handed a descriptor over")
+    return recv_handle(conn)
 
 
 def _rng_tensors(rng: dict[str, bytes]) -> dict[str, torch.Tensor]:

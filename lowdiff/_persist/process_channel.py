@@ -165,7 +165,12 @@ class Channel:
         """Send the message held back, now."""
         if self._outbox is not None:
             msg, self._outbox = self._outbox, None
-            self.send(msg)
+            try:
+                self.send(msg)
+            except BaseException:  # not sent (encoding it raised: a Ctrl-C while a value's copy is awaited)
+                if self._outbox is None:
+                    self._outbox = msg  # held still, as send() keeps a held message it could not encode
+                raise
 
     def send_arena(self, kind: str, ring_id: int, fd: int, nbytes: int) -> None:
         """A new shared-memory arena: the message, then its descriptor. One masked stretch: a SIGINT between the

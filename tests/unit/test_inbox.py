@@ -2,7 +2,7 @@
 the mailbox together. Messages come back in sequence order whichever way each went; a socket message that overtook
 a mailbox entry not yet written waits for it; when the trainer is gone, every whole entry left in the mailbox is
 still read before the end is said; a re-parented reader (the trainer's socket held open by a forked process) ends
-too."""
+too; a descriptor handed over after an ArenaFollows is received, or the wait for it ends with its trainer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
 
+import pytest
+
+from lowdiff._persist.child import descriptor
 from lowdiff._persist.mailbox import SEQ, Inbox, Mailbox
 
 
@@ -116,3 +120,39 @@ def test_an_entry_written_just_before_the_trainer_died_is_read() -> None:
         assert inbox.next() == b"last step"
         assert inbox.next() is None
         t.join()
+
+
+def test_a_descriptor_handed_over_is_received() -> None:
+    ours, theirs = socket.socketpair()
+    trainer, reader = Connection(ours.detach()), Connection(theirs.detach())
+    r, w = os.pipe()
+    try:
+        send_handle(trainer, w, os.getpid())
+        fd = descriptor(reader, lambda: False)
+        os.write(fd, b"x")
+        assert os.read(r, 1) == b"x"
+        os.close(fd)
+    finally:
+        for f in (r, w):
+            os.close(f)
+        trainer.close()
+        reader.close()
+
+
+def test_a_trainer_gone_before_its_descriptor_ends_the_wait() -> None:
+    """Killed between an ArenaFollows and its descriptor, with its socket held open by a process it forked: before,
+    the persistence process waited in recv_handle for ever (holding its lock: a restart waited for it, then
+    refused). Now the parent check ends it; end of file does at once."""
+    ours, theirs = socket.socketpair()
+    trainer, reader = Connection(ours.detach()), Connection(theirs.detach())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EOFError):
+            descriptor(reader, lambda: True)
+        assert time.monotonic() - t0 < 5.0
+        trainer.close()
+        with pytest.raises((EOFError, OSError)):
+            descriptor(reader, lambda: False)
+    finally:
+        trainer.close()
+        reader.close()
