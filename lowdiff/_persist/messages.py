@@ -258,6 +258,8 @@ def sending(io: Callable[..., Any], *args: Any) -> Any:
     """``io(*args)``, which writes a message and counts it as sent, not cut by a signal handler: lowdiff's own
     handlers defer meanwhile (lowdiff/_persist/signals.py); with a handler of the program's own installed, SIGTERM
     and SIGINT are held back instead (:func:`whole`, two system calls)."""
+    if threading.current_thread() is not threading.main_thread():
+        return io(*args)  # signal handlers run in the main thread only; its flag is not another thread's to clear
     if not signals.only_lowdiffs():
         return whole(io, *args)
     try:
