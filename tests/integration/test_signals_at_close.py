@@ -58,6 +58,17 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
 
 
+def _check(proc: subprocess.CompletedProcess[str], run: Path, said: str, absent: tuple[str, ...], steps: int) -> None:
+    """The script ended normally having printed ``said``, stderr holds none of ``absent``, and the run recovers
+    to ``steps`` with the parameters of the same loop run without lowdiff."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert said in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert not [a for a in absent if a in proc.stderr], proc.stderr[-3000:]
+    rec = lowdiff.recover(run, workers=1)
+    assert rec.step == steps
+    assert all(torch.equal(v, rec.model[n]) for n, v in _plain_run(steps).items())
+
+
 def _plain_run(steps: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
@@ -76,13 +87,7 @@ def test_a_signal_during_close_leaves_the_persistence_process_committing(tmp_pat
     close(), cut short, then waited for its persistence process, which waited for the run directory's lock the
     trainer held, until it gave up 10 s later ("another process holds its lock; steps ... are not committed")."""
     run = tmp_path / "run"
-    proc = _run(SIGNAL_DURING_CLOSE, str(run), sig)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "interrupted" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
-    assert "holds its lock" not in proc.stderr and "did not arrive" not in proc.stderr, proc.stderr[-3000:]
-    rec = lowdiff.recover(run, workers=1)
-    assert rec.step == 6
-    assert all(torch.equal(v, rec.model[n]) for n, v in _plain_run(6).items())
+    _check(_run(SIGNAL_DURING_CLOSE, str(run), sig), run, "interrupted", ("holds its lock", "did not arrive"), 6)
 
 
 REENTRANT_FLUSH = PREAMBLE + """
@@ -108,10 +113,4 @@ def test_a_flush_from_a_programs_signal_handler_inside_a_send_keeps_the_numbers_
     flushed lowdiff in between sent its Flush with that number, then the interrupted message went with the same one
     (and the next number was never used): the persistence process waited for it and failed."""
     run = tmp_path / "run"
-    proc = _run(REENTRANT_FLUSH, str(run))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "closed 8" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
-    assert "did not arrive" not in proc.stderr and "exited" not in proc.stderr, proc.stderr[-3000:]
-    rec = lowdiff.recover(run, workers=1)
-    assert rec.step == 8
-    assert all(torch.equal(v, rec.model[n]) for n, v in _plain_run(8).items())
+    _check(_run(REENTRANT_FLUSH, str(run)), run, "closed 8", ("did not arrive", "exited"), 8)
