@@ -37,8 +37,18 @@ from typing import Any
 
 from lowdiff._persist.writer import WriterStats
 from lowdiff._storage.format import MANIFEST
-from lowdiff._storage.manifest import read_manifest
-from lowdiff._storage.remote import Store, local_files, reach, read_record, remote_manifest, step_key, write_record
+from lowdiff._storage.manifest import Manifest, read_manifest
+from lowdiff._storage.reconcile import bucket_newer
+from lowdiff._storage.remote import (
+    Store,
+    local_files,
+    newest_step,
+    reach,
+    read_record,
+    remote_manifest,
+    step_key,
+    write_record,
+)
 from lowdiff._storage.remote_claim import claim, other_run
 from lowdiff.errors import CorruptFileError, RemoteStoreError
 
@@ -230,9 +240,10 @@ class Mirror:
             self._store = Store(self.url, self.options)
         store = self._store
         if self._remote is None:
-            remote = set(store.list())
+            listed = store.list()
+            remote = set(listed)
             if MANIFEST in remote:
-                self._check_same_run(store)
+                self._check_not_behind(store, listed, self._check_same_run(store))
             else:
                 self._claim(store)
             self._remote = remote
@@ -276,19 +287,41 @@ class Mirror:
         write_record(self.root, self.url, self._record)
         return True
 
-    def _check_same_run(self, store: Store) -> None:
+    def _check_same_run(self, store: Store) -> Manifest:
         """Before the first upload: a prefix holding another run's manifest is never written to (the open checks
-        it too, but a store that could not be listed then was not)."""
+        it too, but a store that could not be listed then was not). Returns the manifest there."""
         try:
-            theirs = remote_manifest(store, self.root).run_id
+            theirs = remote_manifest(store, self.root)
         except CorruptFileError as e:  # damaged: which run's is not known, so the prefix is not written to either
             self._foreign = True
             raise RemoteStoreError(str(e)) from e
         ours = self._ours()
-        if theirs != ours:
+        if theirs.run_id != ours:
             self._foreign = True
-            raise RemoteStoreError(f"{self.url} holds another run (run id {theirs}) than {self.root} (run id "
+            raise RemoteStoreError(f"{self.url} holds another run (run id {theirs.run_id}) than {self.root} (run id "
                                    f"{ours}): nothing is uploaded there; point remote.url at this run's prefix")
+        return theirs
+
+    def _check_not_behind(self, store: Store, listed: Mapping[str, int], theirs: Manifest) -> None:
+        """Before the first upload: the run under the prefix is not newer than this run directory's, by the rules
+        ``wrap()`` follows (lowdiff._storage.reconcile.bucket_newer). Where the store did not answer at ``wrap()``
+        (the trainer went on from its local run directory, a stale copy perhaps) or another machine has continued
+        the run since, uploading would replace the newer run's files, and its manifest, with older ones."""
+        local_step = newest_step(local_files(self.root))
+        newer = bucket_newer(store, self.root, listed, theirs.history, local_step)
+        if newer is None or (not newer[0] and newer[1] <= local_step):
+            return
+        self._foreign = True
+        with self._cond:
+            self._done = -1  # what the record says went up is not what the prefix holds now
+            self.stats.remote_durable_step = -1
+        why = "it resumed the run since that was written" if newer[0] else f"it reaches step {newer[1]}"
+        raise RemoteStoreError(
+            f"{self.url} holds a newer state of this run than {self.root} (up to step {local_step}): {why}. The "
+            "store did not serve it when this trainer opened the run directory, or another machine has continued the "
+            "run since. Nothing is uploaded there, which would replace it. To continue from the bucket's run, stop "
+            "this trainer and wrap() again once the store answers (the newer run is pulled, the local files moved to "
+            "quarantine/); or point remote.url at another prefix to keep this one")
 
     def _claim(self, store: Store) -> None:
         """Before the first upload to a prefix holding no manifest: claim it for this run, or stop where another

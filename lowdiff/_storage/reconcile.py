@@ -82,30 +82,44 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "
                                f"{ours.run_id}); point remote.url at this run's prefix or at an empty one")
     local_step = newest_step(local_files(root))
-    # A resume is later than every step before it: the side that resumed since the other was written wins,
-    # whichever file names reach the higher step (the other's may be a history the resume went back from).
-    if history.descends(ours.history, theirs.history):
-        return True, (f"{root} resumed the run since {store.url} was last written: resuming from the local run "
-                      f"directory (up to step {local_step}; the store's files, up to step {newest_step(remote)}, are "
-                      "replaced by the mirror)")
-    resumed = history.descends(theirs.history, ours.history)
-    remote_step = reach(remote)
     left = (f"{root} was left as it was (its run, up to step {local_step}, was not moved aside). wrap() again once "
             "the store serves it, and the run in the bucket is pulled then if it is newer; or set remote.url to null "
             "to train on from the local run without the mirror")
-    if not resumed:
-        try:
-            remote_step = vouched_reach(store, root, remote, local_step)
-        except RemoteStoreError as e:
-            raise RemoteStoreError(f"{e}. {left}") from e
-        if remote_step <= local_step:
-            return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step "
-                          f"{remote_step}): resuming from the local run directory")
+    try:
+        newer = bucket_newer(store, root, remote, theirs.history, local_step)
+    except RemoteStoreError as e:
+        raise RemoteStoreError(f"{e}. {left}") from e
+    if newer is None:
+        return True, (f"{root} resumed the run since {store.url} was last written: resuming from the local run "
+                      f"directory (up to step {local_step}; the store's files, up to step {newest_step(remote)}, are "
+                      "replaced by the mirror)")
+    resumed, remote_step = newer
+    if not resumed and remote_step <= local_step:
+        return True, (f"{root} (up to step {local_step}) is at least as new as {store.url} (up to step "
+                      f"{remote_step}): resuming from the local run directory")
     aside = root / "quarantine" / f"replaced-by-remote-{int(time.time())}"
     pull_in(store, root, aside, left)
     why = (f"resumed the run since {root} was written" if resumed
            else f"(up to step {remote_step}) is newer than {root} (up to step {local_step})")
     return True, f"{store.url} {why}: pulled it; the local files are in {aside}"
+
+
+def bucket_newer(store: Store, root: Path, remote: Mapping[str, int], theirs: history.History,
+                 local_step: int) -> tuple[bool, int] | None:
+    """How the run under ``store`` (listed: ``remote``; its manifest's history ``theirs``) stands against the same
+    run in ``root`` (whose files reach ``local_step``): None where ``root`` resumed the run since the bucket was
+    written (the local run wins whatever step the bucket's names reach); else whether the bucket's run resumed since
+    ``root``'s was written, and the step the bucket reaches (:func:`vouched_reach`, needed only where it did not
+    resume since: it wins then in any case). The newer wins: :func:`reconcile` at ``wrap()``, and the mirror before
+    it first writes to a prefix it could not list at ``wrap()`` (lowdiff._persist.mirror)."""
+    ours = read_manifest(root).history
+    # A resume is later than every step before it: the side that resumed since the other was written wins,
+    # whichever file names reach the higher step (the other's may be a history the resume went back from).
+    if history.descends(ours, theirs):
+        return None
+    if history.descends(theirs, ours):
+        return True, reach(remote)
+    return False, vouched_reach(store, root, remote, local_step)
 
 
 def pull_in(store: Store, root: Path, aside: Path | None, then: str) -> None:

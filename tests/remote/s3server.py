@@ -74,10 +74,9 @@ def stop_server(server: S3Server) -> None:
     server.proc.wait(timeout=30)
 
 
-class HeldUploads:
-    """A TCP relay in front of an S3 endpoint that holds back every upload (an HTTP ``PUT``) until
-    :meth:`release`: the request stays in flight, unseen by the store, as a slow network would leave it; everything
-    else passes at once. ``held`` is set once the first upload is held."""
+class _Relay:
+    """A TCP relay in front of an S3 endpoint (``endpoint``: where to point a client instead), each connection pumped
+    both ways on threads of its own; the subclasses say what passes."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit("//", 1)[1].rsplit(":", 1)
@@ -86,19 +85,19 @@ class HeldUploads:
         self._server.bind(("127.0.0.1", 0))
         self._server.listen(64)
         self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        self.held = threading.Event()
-        self._released = threading.Event()
         self._conns: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def release(self) -> None:
-        self._released.set()
-
     def close(self) -> None:
-        self._released.set()
         self._server.close()
         for c in self._conns:
             c.close()
+
+    def _admit(self) -> bool:
+        return True
+
+    def _hold(self, data: bytes) -> None:
+        """Called with each chunk sent to the store before it is passed on."""
 
     def _accept(self) -> None:
         while True:
@@ -106,6 +105,9 @@ class HeldUploads:
                 client = self._server.accept()[0]
             except OSError:
                 return
+            if not self._admit():
+                client.close()  # refused: the client sees the connection end before any answer
+                continue
             upstream = socket.create_connection(self._target)
             self._conns += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
@@ -114,9 +116,8 @@ class HeldUploads:
     def _pump(self, src: socket.socket, dst: socket.socket, to_store: bool) -> None:
         try:
             while data := src.recv(65536):
-                if to_store and b"PUT /" in data and not self._released.is_set():
-                    self.held.set()
-                    self._released.wait()
+                if to_store:
+                    self._hold(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -128,9 +129,54 @@ class HeldUploads:
                     pass
 
 
+class HeldUploads(_Relay):
+    """Holds back every upload (an HTTP ``PUT``) until :meth:`release`: the request stays in flight, unseen by the
+    store, as a slow network would leave it; everything else passes at once. ``held`` is set once the first upload
+    is held."""
+
+    def __init__(self, target: str) -> None:
+        self.held = threading.Event()
+        self._released = threading.Event()
+        super().__init__(target)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        self._released.set()
+        super().close()
+
+    def _hold(self, data: bytes) -> None:
+        if b"PUT /" in data and not self._released.is_set():
+            self.held.set()
+            self._released.wait()
+
+
+class Outage(_Relay):
+    """A store that does not answer while :attr:`up` is clear (every connection is closed at once), and answers
+    once it is set."""
+
+    def __init__(self, target: str) -> None:
+        self.up = threading.Event()
+        super().__init__(target)
+
+    def _admit(self) -> bool:
+        return self.up.is_set()
+
+
 @contextmanager
 def held_uploads(server: S3Server) -> Iterator[HeldUploads]:
     relay = HeldUploads(server.endpoint)
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+@contextmanager
+def outage(server: S3Server) -> Iterator[Outage]:
+    """A relay to ``server`` that starts down (:class:`Outage`)."""
+    relay = Outage(server.endpoint)
     try:
         yield relay
     finally:

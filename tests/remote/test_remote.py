@@ -388,6 +388,51 @@ def test_a_resume_since_the_other_side_was_written_wins_over_a_higher_step(tmp_p
     assert_state_equal(new_history.model, new_history.optimizer, lowdiff.recover(url))
 
 
+def test_a_stale_copy_opened_while_the_store_is_down_never_replaces_the_newer_bucket_run(
+        tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
+    """A copy of the run at step 6 is opened on another machine while the store does not answer, so wrap() cannot
+    compare it with the bucket (which another machine has taken to step 14 since) and the trainer goes on from the
+    copy. Before, the mirror's first pass, once the store answered, uploaded the copy's branch and manifest over the
+    bucket's newer run (recovery from the bucket went back from step 14 to 8, found in a review). Now it uploads
+    nothing, says why and what to do, and reports nothing remote-durable; the bucket keeps its run."""
+    import logging
+
+    from s3server import outage
+
+    url = f"s3://{s3.new_bucket()}/run"
+    mirrored = replace(BASE, persistence="thread", remote_url=url)
+    t = start(mirrored, tmp_path / "a")
+    t.train(1, 6)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    shutil.copytree(tmp_path / "a", tmp_path / "stale", ignore=shutil.ignore_patterns("*.lock"))
+    t = start(mirrored, tmp_path / "a")
+    t.train(7, 14)
+    t.opt.flush()
+    wait_remote_durable(t.opt)
+    t.opt.close()
+    bucket = lowdiff.recover(url)
+    assert bucket.step == 14
+
+    caplog.set_level(logging.WARNING, logger="lowdiff")
+    with outage(s3) as relay:
+        down = {"client_kwargs": {"endpoint_url": relay.endpoint},
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10}}
+        t2 = start(replace(mirrored, remote_storage_options=down), tmp_path / "stale")
+        assert any("cannot list" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        relay.up.set()
+        t2.train(7, 8)
+        t2.opt.flush()
+        said = not_mirrored(caplog)
+        assert "holds a newer state of this run" in said and "reaches step 14" in said, said
+        assert t2.opt.stats.remote_durable_step == -1
+        t2.opt.close()
+    again = lowdiff.recover(url)
+    assert again.step == 14
+    assert_state_equal(bucket.model, bucket.optimizer, again)
+
+
 def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
     """Two trainers started at once on one empty prefix both found it empty at ``wrap()``. Once the other's manifest
     is there (put here as its mirror puts it), this one's next pass stops mirroring with an error naming both runs:
