@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 RECORD = "mirror.json"
 """In the local run directory: the files uploaded to which URL, as ``{"url", "files": {name: [size, mtime_ns]}}``."""
 PULL_WORKERS = 8
+RELISTS = 3
+"""How many times :func:`pull` lists a run again whose listed files went away while it fetched them."""
 
 
 def is_url(path: Any) -> bool:
@@ -76,9 +78,12 @@ def is_mirrored(name: str) -> bool:
 
 
 def local_files(root: Path) -> dict[str, tuple[int, int]]:
-    """The committed files of the run directory the mirror carries, as ``name: (size, mtime_ns)``."""
+    """The committed files of the run directory the mirror carries, as ``name: (size, mtime_ns)``. The log is listed
+    before the snapshots: retention (a new snapshot committed, then the older ones and the log before it deleted)
+    between the two listings then shows the new snapshot and the old log, never neither (the mirror would delete the
+    old log from the bucket in a pass that does not upload the snapshot replacing it)."""
     out: dict[str, tuple[int, int]] = {}
-    for where in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR):
+    for where in (LOG_DIR, STOP_DIR, SNAPSHOT_DIR):
         d = root / where
         if not d.is_dir():
             continue
@@ -255,11 +260,32 @@ def needed(names: Iterable[str], step: int | None) -> set[str]:
             or (n.startswith(STOP_DIR + "/") and step_key(n)[0] >= base)}
 
 
+class _Gone(RemoteStoreError):
+    """A file the listing named was gone when it was fetched."""
+
+
 def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int = PULL_WORKERS,
          select: Callable[[Iterable[str]], set[str]] | None = None) -> list[str]:
     """Download the remote run (``select``: only the files it picks from the run's names, the manifest always) into
-    ``dest``: data files in parallel, the manifest last. Records them in ``dest``'s mirror record as uploaded.
-    Returns the names fetched. Raises :class:`RemoteStoreError` when the store cannot be read or holds no run."""
+    ``dest`` (a directory of its own, empty): data files in parallel, the manifest last. Records them in ``dest``'s
+    mirror record as uploaded. Returns the names fetched. Raises :class:`RemoteStoreError` when the store cannot be
+    read or holds no run. A file listed but gone when fetched (the retention of a trainer still mirroring there
+    deleted it) is looked for again in a new listing, up to ``RELISTS`` times (``select`` picks from each)."""
+    for attempt in range(RELISTS + 1):
+        try:
+            return _pull(store, dest, progress, workers, select)
+        except _Gone as e:
+            if attempt == RELISTS:
+                raise RemoteStoreError(f"{e}; the run under {store.url} changed under {RELISTS + 1} listings in a "
+                                       "row (a trainer mirroring there: try again, or stop it)") from e
+            log.info("lowdiff: %s; listing %s again", e, store.url)
+            for name in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR, MANIFEST, RECORD):
+                shutil.rmtree(dest / name, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _pull(store: Store, dest: Path, progress: bool | None, workers: int,
+          select: Callable[[Iterable[str]], set[str]] | None) -> list[str]:
     try:
         remote = store.list()
     except Exception as e:
@@ -280,6 +306,8 @@ def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int
         def one(name: str) -> None:
             try:
                 store.get(name, dest / name)
+            except FileNotFoundError as e:
+                raise _Gone(f"{store.url}/{name} was listed but gone when fetched") from e
             except Exception as e:
                 raise RemoteStoreError(f"fetching {store.url}/{name} failed ({type(e).__name__}: {e})") from e
             bar.update(remote[name])

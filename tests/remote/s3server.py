@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -164,6 +164,23 @@ class Outage(_Relay):
         return self.up.is_set()
 
 
+
+class OnRequest(_Relay):
+    """Runs ``action()`` once, before the store sees it, when a request whose start holds every one of ``match``
+    (bytes: a method, an object's name) goes through; ``fired`` is set then."""
+
+    def __init__(self, target: str, match: tuple[bytes, ...], action: Callable[[], object]) -> None:
+        self.fired = threading.Event()
+        self._match, self._action = match, action
+        self._lock = threading.Lock()
+        super().__init__(target)
+
+    def _hold(self, data: bytes) -> None:
+        with self._lock:
+            if not self.fired.is_set() and all(m in data for m in self._match):
+                self._action()
+                self.fired.set()
+
 @contextmanager
 def held_uploads(server: S3Server) -> Iterator[HeldUploads]:
     relay = HeldUploads(server.endpoint)
@@ -177,6 +194,15 @@ def held_uploads(server: S3Server) -> Iterator[HeldUploads]:
 def outage(server: S3Server) -> Iterator[Outage]:
     """A relay to ``server`` that starts down (:class:`Outage`)."""
     relay = Outage(server.endpoint)
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+@contextmanager
+def on_request(server: S3Server, match: tuple[bytes, ...], action: Callable[[], object]) -> Iterator[OnRequest]:
+    relay = OnRequest(server.endpoint, match, action)
     try:
         yield relay
     finally:

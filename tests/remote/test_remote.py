@@ -433,6 +433,29 @@ def test_a_stale_copy_opened_while_the_store_is_down_never_replaces_the_newer_bu
     assert_state_equal(bucket.model, bucket.optimizer, again)
 
 
+def test_a_file_gone_while_recovery_fetches_it_is_listed_again(tmp_path: Path, s3) -> None:
+    """Recovery from a bucket a trainer still mirrors to: the newest snapshot, listed, is deleted before its GET
+    reaches the store (as the trainer's retention does once a newer snapshot is up). Before, recovery failed
+    ("fetching ... failed"); now it lists again and recovers the newest step from the snapshot before."""
+    from s3server import on_request
+
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix = url[len("s3://"):]
+    t = train_run(replace(BASE, persistence="thread", remote_url=url), tmp_path / "run", 16)
+    fs = s3.fs()
+    newest = max(fs.find(f"{prefix}/snapshots"), key=_step_of_name)
+    assert _step_of_name(newest) == 14
+    with on_request(s3, (b"GET /", newest.rsplit("/", 1)[1].encode()), lambda: fs.rm(newest)) as relay:
+        rec = lowdiff.recover(url, storage_options={"client_kwargs": {"endpoint_url": relay.endpoint}})
+        assert relay.fired.is_set()
+    assert rec.step == 16 and rec.report.snapshot_step == 7
+    assert_state_equal(*t.refs[16], rec)
+
+
+def _step_of_name(path: str) -> int:
+    return int(path.rsplit("/", 1)[1].split(".")[0].rsplit("-", 1)[1])
+
+
 def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
     """Two trainers started at once on one empty prefix both found it empty at ``wrap()``. Once the other's manifest
     is there (put here as its mirror puts it), this one's next pass stops mirroring with an error naming both runs:
