@@ -172,7 +172,9 @@ class Mirror:
                 self._say(logging.WARNING, "lowdiff: %s answers again; the mirror is catching up", self.url)
                 self._failing = None
             assert self._remote is not None
-            reached = min(target, reach(self._remote))
+            # Of what the prefix holds, what this run directory put there (or pulled): an object it never uploaded
+            # (another history's shard of the same name, under DDP) must not complete a set it did not commit.
+            reached = min(target, reach(self._remote & self._record.keys()))
             with self._cond:
                 self._busy = False
                 if not whole:

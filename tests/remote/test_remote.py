@@ -456,6 +456,32 @@ def _step_of_name(path: str) -> int:
     return int(path.rsplit("/", 1)[1].split(".")[0].rsplit("-", 1)[1])
 
 
+def test_an_object_the_mirror_never_uploaded_does_not_complete_a_set(tmp_path: Path) -> None:
+    """Under DDP a set is complete once every rank's shard is there. Rank 0's shard of steps 4-6 is committed, rank
+    1's not yet; the prefix holds a rank-1 shard of that name from another history (never uploaded from here, not in
+    mirror.json). Before, the mirror counted it and reported step 6 remote-durable (found in a review); now only
+    what this run directory put there counts (the mirror itself: lowdiff._persist.mirror)."""
+    from lowdiff._persist.mirror import Mirror
+    from lowdiff._persist.writer import WriterStats
+
+    root, store = tmp_path / "run", tmp_path / "store"
+    train_run(replace(BASE, persistence="thread", every_steps=100), root, 3)
+    first = Mirror(root, {"url": f"file://{store}"}, WriterStats(), durable_step=3)
+    first.kick(3)
+    assert first.close(30) == 3
+    (root / "log" / "steps-0000000004-0000000006.shard-00000-of-00002.h5").write_bytes(b"rank 0's shard")
+    (store / "log" / "steps-0000000004-0000000006.shard-00001-of-00002.h5").write_bytes(b"another history's")
+    stats = WriterStats()
+    mirror = Mirror(root, {"url": f"file://{store}"}, stats, durable_step=3)
+    mirror.kick(6)
+    deadline = time.monotonic() + 30
+    while not (store / "log" / "steps-0000000004-0000000006.shard-00000-of-00002.h5").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # the pass that uploaded it has reported
+    assert mirror.close(1) == 3 and stats.remote_durable_step == 3
+
+
 def test_a_second_trainer_on_the_prefix_stops_the_mirror(tmp_path: Path, s3, caplog: pytest.LogCaptureFixture) -> None:
     """Two trainers started at once on one empty prefix both found it empty at ``wrap()``. Once the other's manifest
     is there (put here as its mirror puts it), this one's next pass stops mirroring with an error naming both runs:
