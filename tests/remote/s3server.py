@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
 
@@ -181,28 +182,13 @@ class OnRequest(_Relay):
                 self._action()
                 self.fired.set()
 
-@contextmanager
-def held_uploads(server: S3Server) -> Iterator[HeldUploads]:
-    relay = HeldUploads(server.endpoint)
-    try:
-        yield relay
-    finally:
-        relay.close()
+
+RelayT = TypeVar("RelayT", bound=_Relay)
 
 
 @contextmanager
-def outage(server: S3Server) -> Iterator[Outage]:
-    """A relay to ``server`` that starts down (:class:`Outage`)."""
-    relay = Outage(server.endpoint)
-    try:
-        yield relay
-    finally:
-        relay.close()
-
-
-@contextmanager
-def on_request(server: S3Server, match: tuple[bytes, ...], action: Callable[[], object]) -> Iterator[OnRequest]:
-    relay = OnRequest(server.endpoint, match, action)
+def relayed(relay: RelayT) -> Iterator[RelayT]:
+    """``relay`` (one of the relays above, made with a server's ``endpoint``), closed afterwards."""
     try:
         yield relay
     finally:

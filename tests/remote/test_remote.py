@@ -397,7 +397,7 @@ def test_a_stale_copy_opened_while_the_store_is_down_never_replaces_the_newer_bu
     nothing, says why and what to do, and reports nothing remote-durable; the bucket keeps its run."""
     import logging
 
-    from s3server import outage
+    from s3server import Outage, relayed
 
     url = f"s3://{s3.new_bucket()}/run"
     mirrored = replace(BASE, persistence="thread", remote_url=url)
@@ -416,7 +416,7 @@ def test_a_stale_copy_opened_while_the_store_is_down_never_replaces_the_newer_bu
     assert bucket.step == 14
 
     caplog.set_level(logging.WARNING, logger="lowdiff")
-    with outage(s3) as relay:
+    with relayed(Outage(s3.endpoint)) as relay:
         down = {"client_kwargs": {"endpoint_url": relay.endpoint},
                 "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10}}
         t2 = start(replace(mirrored, remote_storage_options=down), tmp_path / "stale")
@@ -437,7 +437,7 @@ def test_a_file_gone_while_recovery_fetches_it_is_listed_again(tmp_path: Path, s
     """Recovery from a bucket a trainer still mirrors to: the newest snapshot, listed, is deleted before its GET
     reaches the store (as the trainer's retention does once a newer snapshot is up). Before, recovery failed
     ("fetching ... failed"); now it lists again and recovers the newest step from the snapshot before."""
-    from s3server import on_request
+    from s3server import OnRequest, relayed
 
     url = f"s3://{s3.new_bucket()}/run"
     prefix = url[len("s3://"):]
@@ -445,7 +445,8 @@ def test_a_file_gone_while_recovery_fetches_it_is_listed_again(tmp_path: Path, s
     fs = s3.fs()
     newest = max(fs.find(f"{prefix}/snapshots"), key=_step_of_name)
     assert _step_of_name(newest) == 14
-    with on_request(s3, (b"GET /", newest.rsplit("/", 1)[1].encode()), lambda: fs.rm(newest)) as relay:
+    with relayed(OnRequest(s3.endpoint, (b"GET /", newest.rsplit("/", 1)[1].encode()),
+                           lambda: fs.rm(newest))) as relay:
         rec = lowdiff.recover(url, storage_options={"client_kwargs": {"endpoint_url": relay.endpoint}})
         assert relay.fired.is_set()
     assert rec.step == 16 and rec.report.snapshot_step == 7
@@ -535,12 +536,12 @@ def test_two_trainers_on_one_empty_prefix(tmp_path: Path, s3, caplog: pytest.Log
     runs and the URL, and the bucket holds the second run alone, recovered exactly."""
     import logging
 
-    from s3server import held_uploads
+    from s3server import HeldUploads, relayed
 
     url = f"s3://{s3.new_bucket()}/run"
     prefix = url[len("s3://"):]
     caplog.set_level(logging.ERROR, logger="lowdiff")
-    with held_uploads(s3) as relay:
+    with relayed(HeldUploads(s3.endpoint)) as relay:
         slow = {"client_kwargs": {"endpoint_url": relay.endpoint}, "config_kwargs": {"read_timeout": 120}}
         a = start(replace(BASE, persistence="thread", remote_url=url, remote_storage_options=slow,
                           remote_close_timeout_s=5.0), tmp_path / "a")
