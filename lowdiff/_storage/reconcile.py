@@ -74,9 +74,14 @@ def reconcile(root: Path, store: Store) -> tuple[bool, str]:
         return False, f"{store.url} holds no run yet: the mirror uploads {root}"
     theirs = remote_manifest(store, root)
     if not (root / MANIFEST).exists():
-        pull_in(store, root, None, f"Nothing was pulled into {root}: wrap() again once the store serves it "
+        # Files without a manifest: a pull cut short while it moved the older run aside (the manifest first), or
+        # files copied in by hand. None of them is the pulled run's: they go aside too, not up to the bucket.
+        strays = local_files(root)
+        aside = root / "quarantine" / f"no-run-{int(time.time())}" if strays else None
+        pull_in(store, root, aside, f"Nothing was pulled into {root}: wrap() again once the store serves it "
                 "(check the store, its endpoint and credentials: AWS_ENDPOINT_URL, ...)")
-        return True, f"{root} held no run: pulled the run from {store.url} (up to step {reach(remote)})"
+        return True, (f"{root} held no run: pulled the run from {store.url} (up to step {reach(remote)})"
+                      + (f"; the {len(strays)} file(s) it held without a manifest are in {aside}" if strays else ""))
     ours = read_manifest(root)
     if theirs.run_id != ours.run_id:
         raise RemoteStoreError(f"{store.url} holds another run (run id {theirs.run_id}) than {root} (run id "

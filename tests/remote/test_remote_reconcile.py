@@ -101,3 +101,31 @@ def test_a_pull_that_fails_leaves_the_local_run_as_it_was(tmp_path: Path, s3, re
     t2.opt.close()
     assert_state_equal(*reference.refs[20], lowdiff.recover(tmp_path / "stale"))
     assert_state_equal(*reference.refs[20], lowdiff.recover(url))
+
+
+def test_files_without_a_manifest_go_aside_when_the_bucket_run_is_pulled(tmp_path: Path, s3) -> None:
+    """A pull cut short while it moved the older local run aside (the manifest goes first) leaves that run's other
+    files without a manifest. Before, the next wrap() pulled the bucket's run in among them: same names replaced,
+    the others kept, and uploaded by the mirror (found in a review). Now they go to quarantine/ first, never
+    deleted, and the run trains on exactly."""
+    url = f"s3://{s3.new_bucket()}/run"
+    prefix = url[len("s3://"):]
+    scenario = replace(BASE, remote_url=url)
+    reference = train_run(replace(BASE), tmp_path / "ref", 12)
+    train_run(scenario, tmp_path / "a", 9)
+    train_run(replace(BASE, seed=11, every_steps=5), tmp_path / "other", 6)
+    # Named like none of the bucket's files (its snapshots are 0 and 7), at a step before the resume's (which moves
+    # the files of later steps aside by itself).
+    stray = next(p for p in (tmp_path / "other").glob("snapshots/*.h5") if "0005" in p.name)
+    stray_name = stray.relative_to(tmp_path / "other").as_posix()
+    (tmp_path / "b" / "snapshots").mkdir(parents=True)
+    shutil.copy(stray, tmp_path / "b" / stray_name)
+
+    t = start(scenario, tmp_path / "b", resume=False)
+    assert t.opt.resume() == 9
+    assert not (tmp_path / "b" / stray_name).exists()
+    assert [p.name for p in (tmp_path / "b" / "quarantine").glob("no-run-*/snapshots/*")] == [stray.name]
+    t.train(10, 12)
+    t.opt.close()  # waits for the uploads
+    assert not s3.fs().exists(f"{prefix}/{stray_name}")
+    assert_state_equal(*reference.refs[12], lowdiff.recover(url))
