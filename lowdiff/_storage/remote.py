@@ -279,8 +279,8 @@ def pull(store: Store, dest: Path, *, progress: bool | None = None, workers: int
                 raise RemoteStoreError(f"{e}; the run under {store.url} changed under {RELISTS + 1} listings in a "
                                        "row (a trainer mirroring there: try again, or stop it)") from e
             log.info("lowdiff: %s; listing %s again", e, store.url)
-            for name in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR, MANIFEST, RECORD):
-                shutil.rmtree(dest / name, ignore_errors=True)
+            for where in (SNAPSHOT_DIR, LOG_DIR, STOP_DIR):  # what came down (the manifest comes last: not yet)
+                shutil.rmtree(dest / where, ignore_errors=True)
     raise AssertionError("unreachable")
 
 
